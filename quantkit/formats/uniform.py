@@ -1,0 +1,132 @@
+"""Uniform (integer) quantization with group-wise fp16 scales and packed integer zero points.
+
+Stored tensors for a [k, d] weight with b-bit codes and G = ceil(d/g) groups per row
+(the last group may be partial, as in the GPTQ reference: group = column // g):
+  qweight  int32 [k, ceil(d*b/32)]  codes, one packed bitstream per output row (formats.packing)
+  scales   fp16  [k, G]
+  qzeros   int32 [G, ceil(k*b/32)]  asymmetric only: b-bit zero points, one bitstream per group
+  g_idx    int32 [d]                only with act-order without static groups: column -> group
+Dequantization: w[r, c] = (q[r, c] - z[r, grp(c)]) * s[r, grp(c)]. Symmetric quantization
+stores no zeros: z = 2**(b-1), as in the GPTQ reference quantizer.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.formats.base import QuantizedTensor, register_format
+from quantkit.formats.packing import pack_rows, unpack_rows
+
+# Smallest scale we store: exactly representable in fp16 (a subnormal), far below any useful step.
+MIN_SCALE = 2.0**-20
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return (in_features + group_size - 1) // group_size
+
+
+def uniform_params(w: torch.Tensor, bits: int, sym: bool):
+    """Scale and integer zero per row of `w` [rows, n], following the GPTQ reference quantizer.
+
+    The range always contains 0 (xmin <= 0 <= xmax); an all-zero row gets range [-1, 1]. The scale
+    is rounded to fp16 *before* codes are computed, so stored scale and codes agree exactly.
+    """
+    maxq = 2**bits - 1
+    xmin = torch.clamp(w.min(dim=1).values, max=0)
+    xmax = torch.clamp(w.max(dim=1).values, min=0)
+    if sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = torch.where(xmin < 0, -xmax, xmin)
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
+    xmax = torch.where(empty, torch.ones_like(xmax), xmax)
+    scale = ((xmax - xmin) / maxq).clamp_min(MIN_SCALE).to(torch.float16).to(torch.float32)
+    if sym:
+        zero = torch.full_like(scale, (maxq + 1) // 2)
+    else:
+        zero = torch.round(-xmin / scale).clamp(0, maxq)
+    return scale, zero
+
+
+def quantize_codes(w, scale, zero, bits):
+    """Integer codes of `w` for per-row (broadcast) scale/zero."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
+
+
+def fake_quantize(w, scale, zero, bits):
+    return (quantize_codes(w, scale, zero, bits) - zero) * scale
+
+
+@register_format
+@dataclass
+class UniformQuantizedTensor(QuantizedTensor):
+    format_name = "uniform"
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    qzeros: torch.Tensor  # None when sym
+    bits: int
+    group_size: int
+    in_features: int
+    sym: bool
+    g_idx: torch.Tensor = None
+
+    @property
+    def shape(self):
+        return (self.qweight.shape[0], self.in_features)
+
+    @classmethod
+    def from_codes(cls, codes, scales, zeros, bits, group_size, sym, g_idx=None):
+        """codes [k, d] ints; scales/zeros [k, G] floats (zeros integral, ignored when sym)."""
+        k, d = codes.shape
+        qzeros = None if sym else pack_rows(zeros.t().contiguous().to(torch.int64), bits)
+        return cls(
+            qweight=pack_rows(codes.to(torch.int64), bits),
+            scales=scales.to(torch.float16).contiguous(),
+            qzeros=qzeros,
+            bits=bits,
+            group_size=group_size,
+            in_features=d,
+            sym=sym,
+            g_idx=None if g_idx is None else g_idx.to(torch.int32).contiguous(),
+        )
+
+    def codes(self) -> torch.Tensor:
+        return unpack_rows(self.qweight, self.bits, self.in_features)
+
+    def zeros(self) -> torch.Tensor:
+        """Integer zero points as float [k, G]."""
+        k, groups = self.scales.shape
+        if self.sym:
+            return torch.full((k, groups), 2 ** (self.bits - 1), dtype=torch.float32, device=self.scales.device)
+        return unpack_rows(self.qzeros, self.bits, k).t().to(torch.float32)
+
+    def column_groups(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx.to(torch.int64)
+        return torch.arange(self.in_features, device=self.qweight.device) // self.group_size
+
+    def dequantize(self, dtype=torch.float32):
+        groups = self.column_groups()
+        scales = self.scales.to(torch.float32)[:, groups]
+        zeros = self.zeros()[:, groups]
+        return ((self.codes().to(torch.float32) - zeros) * scales).to(dtype)
+
+    def state_dict(self):
+        tensors = {"qweight": self.qweight, "scales": self.scales}
+        if self.qzeros is not None:
+            tensors["qzeros"] = self.qzeros
+        if self.g_idx is not None:
+            tensors["g_idx"] = self.g_idx
+        return tensors
+
+    def meta(self):
+        return {"format": self.format_name, "bits": self.bits, "group_size": self.group_size,
+                "in_features": self.in_features, "out_features": self.shape[0], "sym": self.sym,
+                "has_g_idx": self.g_idx is not None}
+
+    @classmethod
+    def from_state_dict(cls, meta, tensors):
+        return cls(qweight=tensors["qweight"], scales=tensors["scales"], qzeros=tensors.get("qzeros"),
+                   bits=meta["bits"], group_size=meta["group_size"], in_features=meta["in_features"],
+                   sym=meta["sym"], g_idx=tensors.get("g_idx"))

@@ -1,0 +1,6 @@
+"""Quantization methods; importing this package registers all of them."""
+
+from quantkit.methods import rtn  # noqa: F401  (registers)
+from quantkit.methods.base import METHODS, Method, make_method, register_method
+
+__all__ = ["METHODS", "Method", "make_method", "register_method"]

@@ -1,0 +1,37 @@
+"""Round-to-nearest uniform quantization, group-wise or per-channel, symmetric or asymmetric."""
+
+import torch
+
+from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
+from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+
+
+def rtn_quantize(weight, bits, group_size, sym):
+    """Quantize every group of `weight` independently; returns codes [k, d], scales and zeros [k, G]."""
+    k, d = weight.shape
+    g = effective_group_size(group_size, d)
+    groups = num_groups(d, g)
+    codes = torch.empty(k, d, dtype=torch.int64, device=weight.device)
+    scales = torch.empty(k, groups, dtype=torch.float32, device=weight.device)
+    zeros = torch.empty_like(scales)
+    for j in range(groups):
+        cols = slice(j * g, min(d, (j + 1) * g))
+        scale, zero = uniform_params(weight[:, cols], bits, sym)
+        codes[:, cols] = quantize_codes(weight[:, cols], scale[:, None], zero[:, None], bits).to(torch.int64)
+        scales[:, j], zeros[:, j] = scale, zero
+    return codes, scales, zeros, g
+
+
+@register_method
+class RTN(Method):
+    name = "rtn"
+    params = {"bits": 4, "group_size": 128, "sym": False}
+
+    def validate(self):
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+
+    def quantize(self, weight, stats):
+        codes, scales, zeros, g = rtn_quantize(weight, self.bits, self.group_size, self.sym)
+        qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.bits, g, self.sym)
+        return qt, {}

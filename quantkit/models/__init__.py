@@ -1,0 +1,4 @@
+from quantkit.models.adapters import ArchAdapter, adapter_for, supported_model_types
+from quantkit.models.loading import load_model, load_tokenizer, resolve_source
+
+__all__ = ["ArchAdapter", "adapter_for", "supported_model_types", "load_model", "load_tokenizer", "resolve_source"]

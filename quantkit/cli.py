@@ -84,6 +84,13 @@ def fetch_model(force):
 @click.option("--group-size", type=int, default=128, show_default=True,
               help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept.")
 @click.option("--sym/--asym", default=False, show_default=True, help="Symmetric (no stored zero) or asymmetric.")
+@click.option("--damp", type=float, default=0.01, show_default=True,
+              help="GPTQ: dampening, fraction of the mean Hessian diagonal (raised x10 if Cholesky fails).")
+@click.option("--act-order/--no-act-order", default=False, show_default=True,
+              help="GPTQ: quantize columns in order of descending Hessian diagonal.")
+@click.option("--static-groups/--no-static-groups", default=False, show_default=True,
+              help="GPTQ: group scales/zeros from the original weights up front (no g_idx with --act-order).")
+@click.option("--block-size", type=int, default=128, show_default=True, help="GPTQ: columns per lazy-update block.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
@@ -100,7 +107,7 @@ def fetch_model(force):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the run summary as JSON.")
 @data_dir_option
 @click.pass_context
-def quantize(ctx, src, method, bits, group_size, sym, out, overwrite, calib, nsamples, seqlen, seed, device, dtype,
+def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite, calib, nsamples, seqlen, seed, device, dtype,
              preset, json_path, data_dir):
     """Quantize a checkpoint into a quantkit artifact directory."""
     from quantkit.methods import METHODS
@@ -121,7 +128,7 @@ def quantize(ctx, src, method, bits, group_size, sym, out, overwrite, calib, nsa
         raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(METHODS))}")
     accepted = METHODS[values["method"]].params
     method_params = {}
-    for key in ("bits", "group_size", "sym"):
+    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size"):
         if key in accepted:
             method_params[key] = values[key]
         elif ctx.get_parameter_source(key) != click.core.ParameterSource.DEFAULT:

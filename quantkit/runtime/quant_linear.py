@@ -1,7 +1,9 @@
 """QuantLinear: a linear layer backed by a QuantizedTensor.
 
 The reference path (any device) dequantizes the weight and calls F.linear; the CUDA kernel
-paths of later issues plug in here and are held to this reference by the tests.
+paths of later issues plug in here and are held to this reference by the tests. Unpacking the
+codes on every call dominates CPU evaluation, so the dequantized weight is cached per
+(device, dtype) unless cache_weight=False (memory then stays at the packed size).
 """
 
 import torch
@@ -11,8 +13,10 @@ from quantkit.formats.base import quantized_tensor_from_state_dict
 
 
 class QuantLinear(torch.nn.Module):
-    def __init__(self, qtensor, bias=None, compute_dtype=torch.float32):
+    def __init__(self, qtensor, bias=None, compute_dtype=torch.float32, cache_weight=True):
         super().__init__()
+        self.cache_weight = cache_weight
+        self._cached = None
         self.out_features, self.in_features = qtensor.shape
         self.meta = qtensor.meta()
         self.compute_dtype = compute_dtype
@@ -29,8 +33,18 @@ class QuantLinear(torch.nn.Module):
     def dequantized_weight(self, dtype=None):
         return self.qtensor().dequantize(dtype or self.compute_dtype)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._cached = None  # moved or cast: the cached weight no longer matches the buffers
+        return super()._apply(fn, *args, **kwargs)
+
     def forward(self, x):
-        weight = self.dequantized_weight(x.dtype)
+        key = (x.device, x.dtype)
+        if self._cached is not None and self._cached[0] == key:
+            weight = self._cached[1]
+        else:
+            weight = self.dequantized_weight(x.dtype).to(x.device)
+            if self.cache_weight:
+                self._cached = (key, weight)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 

@@ -1,0 +1,153 @@
+"""GPTQ (Frantar et al., 2022): column-by-column quantization with Hessian-based error feedback.
+
+For a linear with inputs X, H = 2·XᵀX/nsamples. Columns are quantized in order; the rounding
+error of column i, divided by the i-th diagonal entry of the upper Cholesky factor U of H⁻¹,
+is spread over the not-yet-quantized columns through row i of U (the OBS update). Updates are
+applied lazily: inside a block of `block_size` columns immediately, to the columns after the
+block once per block (one matmul), which gives the same result as updating everything at once.
+
+Groups: a group's scale/zero are computed when its first column is reached, from the *current*
+(error-updated) weights of the whole group — also when the group runs past the current block,
+whose pending updates are then applied to those columns first. (The reference code reads the
+not-yet-updated weights in that case; we keep results independent of the block size.)
+
+act_order processes columns by descending H_ii. Codes are always stored in the original column
+order. Without static groups a group is a run of g consecutive *processed* columns, so the
+artifact carries g_idx (column -> group). With static_groups every group's scale/zero come up
+front from the original weights in original column order, so group = column // g and no g_idx
+is stored (it would be redundant, and the plain layout keeps the fast kernel path).
+"""
+
+import logging
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
+from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+
+log = logging.getLogger(__name__)
+
+DAMP_RETRIES = 4  # each retry multiplies the damping by 10
+
+
+def prepare_hessian(xtx, nsamples, weight):
+    """H = 2·xtx/nsamples on the weight's device and dtype; dead inputs (H_ii = 0) get H_ii = 1
+    and their weight column zeroed (no calibration token ever used them). Returns (H, W) copies."""
+    if nsamples < 1:
+        raise QuantkitError("gptq needs calibration statistics from at least one sample")
+    h = xtx.to(device=weight.device, dtype=weight.dtype) * (2.0 / nsamples)
+    w = weight.clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    return h, w
+
+
+def inverse_cholesky(h, damp):
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H); when a factorisation fails
+    (H indefinite or too ill-conditioned for the dtype), retry with damp ×10. Returns (U, damp used)."""
+    mean_diag = torch.diagonal(h).mean()
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(DAMP_RETRIES + 1):
+        lower, info = torch.linalg.cholesky_ex(h + (damp * mean_diag) * eye)
+        if info.item() == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if info.item() == 0 and torch.isfinite(upper).all():
+                if attempt:
+                    log.warning("gptq: Cholesky factorisation needed damp=%g", damp)
+                return upper, damp
+        damp *= 10
+    raise QuantkitError(f"gptq: Hessian is not positive definite even with damp={damp / 10:g}; "
+                        "check the calibration data or raise --damp")
+
+
+def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_groups=False, block_size=128,
+                  perm=None):
+    """Quantize weight [k, d] given U = upper Cholesky of H⁻¹ (already permuted when act_order).
+
+    perm: processing order of the original columns (act_order), else None. Works in the dtype of
+    `weight` (fp32 from the engine; the tests use fp64). Returns (codes [k, d] in original column
+    order, scales [k, G], zeros [k, G], g_idx or None, loss tensor = Σ (w-q)²/U_ii² / 2).
+    """
+    k, d = weight.shape
+    g = effective_group_size(group_size, d)
+    groups = num_groups(d, g)
+    w = weight.clone() if perm is None else weight[:, perm]
+    scales = torch.empty(k, groups, dtype=w.dtype, device=w.device)
+    zeros = torch.empty_like(scales)
+    if static_groups:  # from the original weights, original column order
+        for j in range(groups):
+            scales[:, j], zeros[:, j] = uniform_params(weight[:, j * g : (j + 1) * g], bits, sym)
+        orig = range(d) if perm is None else perm.tolist()
+        col_group = [c // g for c in orig]  # group of each processed column
+    codes = torch.empty(k, d, dtype=torch.int64, device=w.device)
+    loss = torch.zeros((), dtype=w.dtype, device=w.device)
+
+    for i1 in range(0, d, block_size):
+        i2 = min(i1 + block_size, d)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = h_inv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            c = i1 + i
+            if static_groups:
+                j = col_group[c]
+            else:
+                j = c // g
+                if c % g == 0:  # a group starts: params from its current weights
+                    cur = w1[:, i : i + g]
+                    end = min(d, c + g)
+                    if end > i2:  # the rest of the group lies after this block: apply pending updates
+                        rest = w[:, i2:end] - err1[:, :i] @ h_inv[i1:c, i2:end]
+                        cur = torch.cat([cur, rest], dim=1)
+                    scales[:, j], zeros[:, j] = uniform_params(cur, bits, sym)
+            s, z = scales[:, j], zeros[:, j]
+            col = w1[:, i]
+            q = quantize_codes(col, s, z, bits)
+            codes[:, c] = q.to(torch.int64)
+            e = (col - (q - z) * s) / u1[i, i]
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err1[:, i] = e
+        loss += err1.pow(2).sum() / 2  # the OBS losses (w - q)²/U_ii² / 2 of this block
+        w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
+
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes = codes[:, inv]
+        if not static_groups and groups > 1:
+            g_idx = inv // g  # original column -> group of its processing position
+    return codes, scales, zeros, g_idx, loss
+
+
+@register_method
+class GPTQ(Method):
+    name = "gptq"
+    stats = ("hessian",)
+    params = {"bits": 4, "group_size": 128, "sym": False, "damp": 0.01, "act_order": False,
+              "static_groups": False, "block_size": 128}
+
+    def validate(self):
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+        if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp <= 1:
+            raise QuantkitError(f"--damp must be a number in (0, 1] (fraction of the mean Hessian diagonal), got {self.damp}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise QuantkitError(f"--block-size must be a positive integer, got {self.block_size}")
+        for key in ("sym", "act_order", "static_groups"):
+            if not isinstance(getattr(self, key), bool):
+                raise QuantkitError(f"gptq setting {key} must be true or false, got {getattr(self, key)!r}")
+
+    def quantize(self, weight, stats):
+        h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
+        perm = None
+        if self.act_order:  # stable sort: the same order on every device
+            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+            h = h[perm][:, perm]
+        h_inv, damp = inverse_cholesky(h, float(self.damp))
+        codes, scales, zeros, g_idx, loss = gptq_quantize(
+            w, h_inv, self.bits, self.group_size, self.sym, self.act_order, self.static_groups, self.block_size, perm)
+        g = effective_group_size(self.group_size, weight.shape[1])
+        qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.bits, g, self.sym, g_idx=g_idx)
+        return qt, {"damp": damp, "gptq_loss": loss.item()}

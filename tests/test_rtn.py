@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from quantkit.formats.uniform import UniformQuantizedTensor, quantize_codes
+from quantkit.methods import make_method
+from quantkit.methods.rtn import rtn_quantize
+
+
+def _weights(k=48, d=200, seed=0):
+    return torch.randn(k, d, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("sym", [False, True])
+def test_requantizing_the_dequantized_weight_gives_the_stored_codes(bits, group_size, sym):
+    w = _weights()
+    qt, _ = make_method("rtn", bits=bits, group_size=group_size, sym=sym).quantize(w, None)
+    codes = qt.codes().long()
+    groups = qt.column_groups()
+    scales = qt.scales.float()[:, groups]
+    zeros = qt.zeros()[:, groups]
+    again = quantize_codes(qt.dequantize(), scales, zeros, bits).long()
+    assert torch.equal(again, codes)
+    assert codes.max() < 2**bits
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_error_within_half_a_step(bits):
+    w = _weights(seed=bits)
+    qt, _ = make_method("rtn", bits=bits, group_size=64).quantize(w, None)
+    step = qt.scales.float()[:, qt.column_groups()]
+    assert ((w - qt.dequantize()).abs() <= step / 2 + 1e-6).all()
+
+
+def test_more_bits_less_error():
+    w = _weights(seed=3)
+    errors = [(w - make_method("rtn", bits=b, group_size=64).quantize(w, None)[0].dequantize()).pow(2).mean()
+              for b in range(2, 9)]
+    assert all(a > b for a, b in zip(errors, errors[1:]))
+
+
+def test_representable_weights_are_reproduced_exactly():
+    # weights on an asymmetric 4-bit grid whose range includes 0 come back bit-exact
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (8, 64), generator=gen)
+    codes[:, 0], codes[:, 1] = 0, 15
+    zero, scale = 6.0, 0.0078125  # fp16-exact scale
+    w = (codes - zero) * scale
+    qt, _ = make_method("rtn", bits=4, group_size=64).quantize(w, None)
+    assert torch.equal(qt.dequantize(), w)
+
+
+def test_partial_last_group_and_state_dict_roundtrip():
+    w = _weights(k=16, d=576)
+    codes, scales, zeros, g = rtn_quantize(w, 3, 128, False)
+    assert scales.shape == (16, 5)
+    qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, 3, g, False)
+    rebuilt = UniformQuantizedTensor.from_state_dict(qt.meta(), qt.state_dict())
+    assert torch.equal(rebuilt.dequantize(), qt.dequantize())
+    assert torch.equal(rebuilt.codes().long(), codes)
+
+
+def test_all_zero_group_is_handled():
+    w = _weights(k=4, d=64)
+    w[:, :32] = 0
+    qt, _ = make_method("rtn", bits=4, group_size=32).quantize(w, None)
+    assert torch.equal(qt.dequantize()[:, :32], torch.zeros(4, 32))

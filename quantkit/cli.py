@@ -107,8 +107,8 @@ def fetch_model(force):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the run summary as JSON.")
 @data_dir_option
 @click.pass_context
-def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite, calib, nsamples, seqlen, seed, device, dtype,
-             preset, json_path, data_dir):
+def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
+             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir):
     """Quantize a checkpoint into a quantkit artifact directory."""
     from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint

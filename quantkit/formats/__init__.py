@@ -1,4 +1,5 @@
 from quantkit.formats.base import FORMATS, QuantizedTensor, quantized_tensor_from_state_dict
 from quantkit.formats.uniform import UniformQuantizedTensor
+from quantkit.formats import bcq  # noqa: F401  (registers the "bcq" format)
 
 __all__ = ["FORMATS", "QuantizedTensor", "quantized_tensor_from_state_dict", "UniformQuantizedTensor"]

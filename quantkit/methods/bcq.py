@@ -1,0 +1,141 @@
+"""Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3): per group of g consecutive
+input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z) minimising ‖w − ŵ‖² (nuQmm eq. 1).
+
+Solver (Xu et al., 2018): greedy initialisation (z = group mean if offset; then for i = 1..q:
+b_i = sign(r), α_i = mean|r|, r −= α_i·b_i), then alternating rounds:
+  1. given the codes B, solve [α; z] by least squares (per-group normal equations BᵀB x = Bᵀw);
+  2. given α and z, give each weight the nearest of the 2^q representable values Σ α_i·s_i + z.
+A group keeps its new solution only if its error did not rise (a ridge in the solve or ties can
+nudge it up), so the total error is non-increasing; rounds stop early once it stops falling.
+Everything is batched over all [k, G] groups of the matrix: groups are padded to g columns
+and a mask keeps the padding of a partial last group out of every sum.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.bcq import BCQQuantizedTensor
+from quantkit.formats.uniform import num_groups
+from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+
+_STOP_REL = 1e-6  # a round that lowers the error by less than this fraction ends the solve
+_RIDGE = 1e-6  # relative ridge: keeps the normal equations solvable when planes coincide
+
+
+@dataclass
+class BCQFit:
+    signs: torch.Tensor  # bool [q, k, d], True = +1
+    alpha: torch.Tensor  # fp32 [k, G, q], fp16-representable, ≥ 0
+    offset: torch.Tensor  # fp32 [k, G], fp16-representable, or None
+    group_size: int
+    history: list  # total squared error: greedy, then after each alternating round (fp32 α, z)
+    error: float  # total squared error of the stored (fp16) α, z and their nearest codes
+    norm: float  # ‖W‖², for relative errors
+
+
+def _sign_table(q, device):
+    """[2^q, q] ±1: row c is the code of value index c (bit i of c set -> plane i is +1)."""
+    c = torch.arange(2**q, device=device)
+    return (((c[:, None] >> torch.arange(q, device=device)) & 1) * 2 - 1).to(torch.float32)
+
+
+def _group_error(Wg, M, B, alpha, z):
+    """Squared error per group [k, G]. Wg [k, G, g], M [G, g], B [k, G, g, q], alpha [k, G, q], z [k, G]."""
+    recon = (B * alpha.unsqueeze(2)).sum(-1) + z.unsqueeze(-1)
+    return ((Wg - recon) ** 2 * M).sum(-1)
+
+
+def _nearest_codes(Wg, alpha, z, table):
+    """Codes [k, G, g, q] of the representable value nearest each weight (bucketing by midpoints)."""
+    values = alpha @ table.t() + z.unsqueeze(-1)  # [k, G, 2^q]
+    values, order = values.sort(-1)
+    mids = (values[..., 1:] + values[..., :-1]) / 2
+    pos = torch.searchsorted(mids, Wg.contiguous())  # [k, G, g] index into the sorted values
+    return table[order.gather(-1, pos)]
+
+
+def _least_squares(Wg, M, B, offset):
+    """Per-group LS fit of α (and z) for fixed codes: returns alpha [k, G, q], z [k, G]."""
+    X = torch.cat([B, torch.ones_like(B[..., :1])], -1) if offset else B  # [k, G, g, p]
+    XM = X * M.unsqueeze(-1)
+    gram = (XM.transpose(-1, -2) @ X).double()  # [k, G, p, p]
+    rhs = torch.einsum("kGgp,kGg->kGp", XM, Wg).double()
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    gram = gram + _RIDGE * M.sum(-1).double()[:, None, None] * eye
+    sol = torch.linalg.solve(gram, rhs.unsqueeze(-1)).squeeze(-1).float()
+    q = B.shape[-1]
+    return sol[..., :q], (sol[..., q] if offset else torch.zeros_like(sol[..., 0]))
+
+
+def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
+    """Greedy + alternating BCQ of `weight` [k, d] (fp32, any device), batched over all groups."""
+    k, d = weight.shape
+    g = effective_group_size(group_size, d)
+    G = num_groups(d, g)
+    dev = weight.device
+    Wg = torch.nn.functional.pad(weight.to(torch.float32), (0, G * g - d)).reshape(k, G, g)
+    M = (torch.arange(G * g, device=dev) < d).reshape(G, g).to(torch.float32)  # 0 on padding
+    count = M.sum(-1)  # [G]
+    table = _sign_table(bits, dev)
+
+    # greedy initialisation (Guo et al. 2017, as used by Xu et al. 2018)
+    z = (Wg * M).sum(-1) / count if offset else torch.zeros(k, G, device=dev)
+    r = (Wg - z.unsqueeze(-1)) * M
+    planes, alphas = [], []
+    for _ in range(bits):
+        b = torch.where(r >= 0, 1.0, -1.0)
+        a = r.abs().sum(-1) / count
+        r = (r - a.unsqueeze(-1) * b) * M
+        planes.append(b)
+        alphas.append(a)
+    B, alpha = torch.stack(planes, -1), torch.stack(alphas, -1)
+    err = _group_error(Wg, M, B, alpha, z)
+    history = [err.sum().item()]
+
+    for _ in range(rounds):
+        new_alpha, new_z = _least_squares(Wg, M, B, offset)
+        new_B = _nearest_codes(Wg, new_alpha, new_z, table)
+        new_err = _group_error(Wg, M, new_B, new_alpha, new_z)
+        keep = new_err <= err  # per-group guard: the error never rises
+        alpha = torch.where(keep.unsqueeze(-1), new_alpha, alpha)
+        z = torch.where(keep, new_z, z)
+        B = torch.where(keep[..., None, None], new_B, B)
+        err = torch.minimum(new_err, err)
+        history.append(err.sum().item())
+        if history[-2] - history[-1] <= _STOP_REL * history[-2]:
+            break
+
+    # store fp16, with α ≥ 0 ((α, b) and (−α, −b) are the same term), then re-pick the codes so
+    # they are the nearest ones for the stored values
+    alpha = alpha.abs().half().float()
+    z = z.half().float()
+    B = _nearest_codes(Wg, alpha, z, table)
+    final = _group_error(Wg, M, B, alpha, z).sum().item()
+    signs = (B > 0).permute(3, 0, 1, 2).reshape(bits, k, G * g)[:, :, :d]
+    return BCQFit(signs=signs, alpha=alpha, offset=z if offset else None, group_size=g, history=history,
+                  error=final, norm=(weight.to(torch.float32) ** 2).sum().item())
+
+
+@register_method
+class BCQ(Method):
+    name = "bcq"
+    output_format = "bcq"  # what quantize() returns; the pipeline refuses --format uniform for it
+    params = {"bits": 3, "group_size": 128, "offset": False, "rounds": 15}
+
+    def validate(self):
+        check_bits(self.bits, 1, 8)
+        check_group_size(self.group_size)
+        if not isinstance(self.offset, bool):
+            raise QuantkitError(f"--offset must be true or false, got {self.offset!r}")
+        if not isinstance(self.rounds, int) or self.rounds < 0:
+            raise QuantkitError(f"--rounds must be a non-negative integer, got {self.rounds!r}")
+
+    def quantize(self, weight, stats):
+        fit = bcq_fit(weight, self.bits, self.group_size, self.offset, self.rounds)
+        qt = BCQQuantizedTensor.from_signs(fit.signs, fit.alpha, fit.offset, fit.group_size)
+        norm = max(fit.norm, 1e-30)
+        # errors relative to ‖W‖²: greedy start, and the stored result
+        return qt, {"bcq_rounds": len(fit.history) - 1, "bcq_greedy_error": fit.history[0] / norm,
+                    "bcq_error": fit.error / norm}

@@ -88,6 +88,9 @@ def formula_for_meta(meta: dict):
     if fmt == "uniform":
         value = gptq_bits(meta["bits"], meta["group_size"], d, zero_bits=0 if meta["sym"] else meta["bits"])
         return value + (32 / k if meta.get("has_g_idx") else 0.0)
+    if fmt == "bcq":
+        # planes are padded to 32 columns per row (formats/bcq.py): equal to the stored bits when d % 32 == 0
+        return bcq_bits(meta["bits"], meta["group_size"], meta["offset"], d)
     return None
 
 

@@ -91,6 +91,12 @@ def fetch_model(force):
 @click.option("--static-groups/--no-static-groups", default=False, show_default=True,
               help="GPTQ: group scales/zeros from the original weights up front (no g_idx with --act-order).")
 @click.option("--block-size", type=int, default=128, show_default=True, help="GPTQ: columns per lazy-update block.")
+@click.option("--offset/--no-offset", default=False, show_default=True,
+              help="BCQ: also fit an fp16 offset z per group (w ≈ Σ αᵢbᵢ + z).")
+@click.option("--rounds", type=int, default=15, show_default=True,
+              help="BCQ: alternating least-squares rounds after the greedy start; stops early once the error stops falling.")
+@click.option("--format", "format", type=click.Choice(["uniform", "bcq"]), default=None,
+              help="Stored format [default: the method's own]. bcq with rtn/gptq converts exactly (LUT-GEMM appendix C).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
@@ -108,12 +114,13 @@ def fetch_model(force):
 @data_dir_option
 @click.pass_context
 def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
-             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir):
+             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format):
     """Quantize a checkpoint into a quantkit artifact directory."""
     from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint
 
     values = dict(ctx.params)
+    explicit = {k for k in values if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     if preset:
         import yaml
 
@@ -122,25 +129,39 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
             key = key.replace("-", "_")
             if key not in values:
                 raise QuantkitError(f"{preset}: unknown option {key!r}")
-            if ctx.get_parameter_source(key) == click.core.ParameterSource.DEFAULT:
+            if key not in explicit:
                 values[key] = value
+                explicit.add(key)
     if values["method"] not in METHODS:
         raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(METHODS))}")
     accepted = METHODS[values["method"]].params
     method_params = {}
-    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size"):
+    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds"):
         if key in accepted:
             method_params[key] = values[key]
-        elif ctx.get_parameter_source(key) != click.core.ParameterSource.DEFAULT:
+        elif key in explicit:
             raise QuantkitError(f"--{key.replace('_', '-')} does not apply to --method {values['method']}")
     summary = quantize_checkpoint(values["src"], values["out"], values["method"], method_params,
                                   calib=values["calib"], nsamples=values["nsamples"], seqlen=values["seqlen"],
                                   seed=values["seed"], device=values["device"], dtype=values["dtype"],
-                                  data_dir=values["data_dir"], overwrite=values["overwrite"])
+                                  data_dir=values["data_dir"], overwrite=values["overwrite"], fmt=values["format"])
     if values["json_path"]:
         _write_json(values["json_path"], summary)
     click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
                f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "fmt", type=click.Choice(["bcq"]), required=True, help="Target format.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
+def convert(src, fmt, out, overwrite):
+    """Rewrite the artifact SRC in another format: uniform (rtn/gptq) -> bcq is exact up to the fp16 offset."""
+    from quantkit.pipeline import convert_artifact
+
+    summary = convert_artifact(src, out, fmt, overwrite=overwrite)
+    click.echo(f"wrote {summary['out']}: {summary['modules_converted']} linears as {fmt} in {summary['convert_seconds']} s")
 
 
 @main.command("methods")

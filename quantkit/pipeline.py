@@ -38,8 +38,40 @@ def resolve_dtype(dtype, device):
     return DTYPES[dtype]
 
 
+def output_format(quantizer, fmt=None):
+    """The format to store: the method's own (`output_format`, default uniform), or bcq for a uniform
+    method, converted exactly (LUT-GEMM appendix C). Refuses any other combination up front."""
+    native = getattr(quantizer, "output_format", "uniform")
+    if fmt in (None, native):
+        return native
+    if fmt != "bcq" or native != "uniform":
+        raise QuantkitError(f"--format {fmt} is not available for --method {quantizer.name}, which writes {native} "
+                            "tensors; only uniform methods (rtn, gptq) can also be written as bcq")
+    if getattr(quantizer, "act_order", False) and not getattr(quantizer, "static_groups", False):
+        raise QuantkitError("--format bcq needs groups of consecutive columns: with --act-order add --static-groups")
+    return fmt
+
+
+def convert_qtensors(qtensors: dict, fmt: str) -> dict:
+    """{module: QuantizedTensor} with every tensor in `fmt` (uniform -> bcq is the only conversion)."""
+    from quantkit.formats.bcq import bcq_from_uniform
+
+    out = {}
+    for name, qt in qtensors.items():
+        if qt.format_name == fmt:
+            out[name] = qt
+        elif fmt == "bcq" and qt.format_name == "uniform":
+            try:
+                out[name] = bcq_from_uniform(qt)
+            except QuantkitError as exc:
+                raise QuantkitError(f"{name}: {exc}") from exc
+        else:
+            raise QuantkitError(f"{name}: cannot convert a {qt.format_name} tensor to {fmt}")
+    return out
+
+
 def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples=None, seqlen=2048, seed=0,
-                        device=None, dtype=None, data_dir=None, overwrite=False, progress=True):
+                        device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None):
     """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict."""
     out = Path(out)
     if out.exists() and not overwrite:
@@ -47,6 +79,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     quantizer = make_method(method, **method_params)
+    fmt = output_format(quantizer, fmt)
     if nsamples is None:
         nsamples = 128 if quantizer.stats else 0
     if quantizer.stats and nsamples < 1:
@@ -70,6 +103,9 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     elapsed = time.perf_counter() - start
 
     quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
+    if fmt != "uniform":  # bcq; from rtn/gptq the engine kept the uniform weights (z differs by fp16 rounding)
+        qtensors = convert_qtensors(qtensors, fmt)
+        quant_config["format"] = fmt
     summary = {"model": source.display, "method": method, "settings": quantizer.config(),
                "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
                "quantize_seconds": round(elapsed, 2), "modules_quantized": len(qtensors),
@@ -113,3 +149,35 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
                         "tokenizer": type(tokenizer).__name__, "vocab_size": len(tokenizer),
                         "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")})
     return results
+
+
+def convert_artifact(src, out, fmt="bcq", overwrite=False):
+    """Rewrite the quantkit artifact `src` with every quantized module in `fmt` (uniform -> bcq, LUT-GEMM
+    appendix C); float tensors, tokenizer and settings are carried over. Returns a summary dict."""
+    from quantkit.artifact import read_config, read_log, read_tensors, split_module_tensors
+    from quantkit.formats.base import quantized_tensor_from_state_dict
+
+    src, out = Path(src), Path(out)
+    if out.resolve() == src.resolve():
+        raise QuantkitError("--out must differ from the source artifact")
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
+    config = read_config(src)
+    qcfg = config.pop("quantization_config")
+    per_module, rest = split_module_tensors(read_tensors(src), qcfg["modules"])
+    qtensors = {name: quantized_tensor_from_state_dict(meta, per_module[name]) for name, meta in qcfg["modules"].items()}
+    start = time.perf_counter()
+    qtensors = convert_qtensors(qtensors, fmt)
+    elapsed = time.perf_counter() - start
+    tokenizer = None
+    if any((src / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(src))
+    settings = {k: v for k, v in qcfg.items() if k not in ("quant_method", "quantkit_version", "modules", "files")}
+    quant_config = {**settings, "format": fmt, "converted_from": str(src)}
+    quant_log = {**read_log(src), "converted_from": str(src), "convert_seconds": round(elapsed, 2)}
+    write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors, float_tensors=rest,
+                   quantization_config=quant_config, quant_log=quant_log, overwrite=overwrite)
+    return {"out": str(out), "format": fmt, "modules_converted": len(qtensors), "convert_seconds": round(elapsed, 2),
+            "source": str(src), "settings": settings}

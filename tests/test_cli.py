@@ -80,3 +80,10 @@ def test_cuda_requested_without_cuda(tiny_llama_dir, tmp_path):
         pytest.skip("a CUDA device is present")
     _one_line_error(run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "q", "--device", "cuda"),
                     "no CUDA device")
+
+
+def test_preset_option_foreign_to_the_method_is_refused(tiny_llama_dir, tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("method: gptq\nact-order: true\n")
+    result = run("quantize", "--model", tiny_llama_dir, "--preset", preset, "--method", "rtn", "--out", tmp_path / "q")
+    _one_line_error(result, "--act-order does not apply to --method rtn")

@@ -128,20 +128,20 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         layer.to(device)
         linears = adapter.linears(layer)
         for group in adapter.sequential_groups:
-            collectors = {name: InputGramCollector(linears[name]) for name in group}
+            # the linears of a group read the same input, so one collector serves them all
+            collector = InputGramCollector(linears[group[0]])
             try:
                 _run_layer(layer, inputs, args, kwargs)
             finally:
-                for collector in collectors.values():
-                    collector.remove()
+                collector.remove()
+            stats = collector.stats()
+            if not torch.isfinite(stats["xtx"]).all():
+                raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN or Inf")
             for name in group:
                 full = f"{prefix}.{index}.{name}"
-                stats = collectors[name].stats()
-                if not torch.isfinite(stats["xtx"]).all():
-                    raise QuantkitError(f"{full}: calibration activations contain NaN or Inf")
                 qtensors[full], entry = _quantize_linear(method, full, linears[name], stats, device)
                 log_entries.append(entry)
-            del collectors
+            del collector, stats
         inputs = _run_layer(layer, inputs, args, kwargs)
         layer.to("cpu")
     return qtensors, log_entries

@@ -22,7 +22,8 @@ def register_method(cls):
 class Method(ABC):
     name = None
     # statistics the engine gathers per linear before calling quantize(): "hessian" gives
-    # stats["xtx"] = Σ xᵀx (fp32, [d, d]), stats["nsamples"] and stats["ntokens"].
+    # stats["xtx"] = Σ xᵀx (fp32, [d, d]), stats["nsamples"] and stats["ntokens"]. The same
+    # stats object serves every linear that reads the same input: treat it as read-only.
     stats = ()
     # constructor parameters and their defaults; the CLI passes exactly these
     params = {}

@@ -21,7 +21,7 @@ from quantkit.formats.uniform import num_groups
 from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
 
 _STOP_REL = 1e-6  # a round that lowers the error by less than this fraction ends the solve
-_RIDGE = 1e-6  # relative ridge: keeps the normal equations solvable when planes coincide
+_RIDGE = 1e-9  # relative ridge (fp64 solve): keeps the normal equations solvable when planes coincide
 
 
 @dataclass
@@ -41,31 +41,40 @@ def _sign_table(q, device):
     return (((c[:, None] >> torch.arange(q, device=device)) & 1) * 2 - 1).to(torch.float32)
 
 
-def _group_error(Wg, M, B, alpha, z):
-    """Squared error per group [k, G]. Wg [k, G, g], M [G, g], B [k, G, g, q], alpha [k, G, q], z [k, G]."""
-    recon = (B * alpha.unsqueeze(2)).sum(-1) + z.unsqueeze(-1)
-    return ((Wg - recon) ** 2 * M).sum(-1)
+def _values(alpha, z, table):
+    """The 2^q representable values of every group [k, G, 2^q]; index c has code table[c]."""
+    return alpha @ table.t() + z.unsqueeze(-1)
 
 
-def _nearest_codes(Wg, alpha, z, table):
-    """Codes [k, G, g, q] of the representable value nearest each weight (bucketing by midpoints)."""
-    values = alpha @ table.t() + z.unsqueeze(-1)  # [k, G, 2^q]
+def _group_error(Wg, M, idx, values):
+    """Squared error per group [k, G]. Wg [k, G, g], M [G, g], idx [k, G, g] value indices."""
+    return ((Wg - values.gather(-1, idx)) ** 2 * M).sum(-1)
+
+
+def _nearest(Wg, values):
+    """Index [k, G, g] of the representable value nearest each weight (bucketing by midpoints)."""
     values, order = values.sort(-1)
     mids = (values[..., 1:] + values[..., :-1]) / 2
-    pos = torch.searchsorted(mids, Wg.contiguous())  # [k, G, g] index into the sorted values
-    return table[order.gather(-1, pos)]
+    return order.gather(-1, torch.searchsorted(mids, Wg))
 
 
-def _least_squares(Wg, M, B, offset):
-    """Per-group LS fit of α (and z) for fixed codes: returns alpha [k, G, q], z [k, G]."""
-    X = torch.cat([B, torch.ones_like(B[..., :1])], -1) if offset else B  # [k, G, g, p]
-    XM = X * M.unsqueeze(-1)
-    gram = (XM.transpose(-1, -2) @ X).double()  # [k, G, p, p]
-    rhs = torch.einsum("kGgp,kGg->kGp", XM, Wg).double()
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+def _least_squares(Wg, M, idx, table, offset):
+    """Per-group LS fit of α (and z) for fixed codes: returns alpha [k, G, q], z [k, G].
+
+    The normal equations only need, per group, how many weights use each of the 2^q codes (H)
+    and their sum (S): BᵀB = Xᵀ diag(H) X and Bᵀw = Xᵀ S, with X the code table (plus a ones
+    column for the offset). So one scatter over the weights replaces [k, G, g, q] products.
+    """
+    k, G, _ = Wg.shape
+    V, q = table.shape
+    H = torch.zeros(k, G, V, device=Wg.device).scatter_add_(-1, idx, M.expand_as(Wg).contiguous())
+    S = torch.zeros(k, G, V, device=Wg.device).scatter_add_(-1, idx, Wg * M)
+    X = torch.cat([table, torch.ones(V, 1, device=table.device)], 1) if offset else table  # [V, p]
+    gram = (X.t() @ (H.unsqueeze(-1) * X)).double()  # [k, G, p, p]
+    rhs = (S @ X).double()  # [k, G, p]
+    eye = torch.eye(X.shape[1], dtype=gram.dtype, device=gram.device)
     gram = gram + _RIDGE * M.sum(-1).double()[:, None, None] * eye
     sol = torch.linalg.solve(gram, rhs.unsqueeze(-1)).squeeze(-1).float()
-    q = B.shape[-1]
     return sol[..., :q], (sol[..., q] if offset else torch.zeros_like(sol[..., 0]))
 
 
@@ -80,28 +89,31 @@ def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
     count = M.sum(-1)  # [G]
     table = _sign_table(bits, dev)
 
-    # greedy initialisation (Guo et al. 2017, as used by Xu et al. 2018)
+    # greedy initialisation (Guo et al. 2017, as used by Xu et al. 2018); codes kept as value
+    # indices idx (bit i of idx set <=> b_i = +1)
     z = (Wg * M).sum(-1) / count if offset else torch.zeros(k, G, device=dev)
     r = (Wg - z.unsqueeze(-1)) * M
-    planes, alphas = [], []
-    for _ in range(bits):
-        b = torch.where(r >= 0, 1.0, -1.0)
+    idx = torch.zeros(k, G, g, dtype=torch.int64, device=dev)
+    alphas = []
+    for i in range(bits):
+        plus = r >= 0
         a = r.abs().sum(-1) / count
-        r = (r - a.unsqueeze(-1) * b) * M
-        planes.append(b)
+        r = (r - a.unsqueeze(-1) * torch.where(plus, 1.0, -1.0)) * M
+        idx |= plus.to(torch.int64) << i
         alphas.append(a)
-    B, alpha = torch.stack(planes, -1), torch.stack(alphas, -1)
-    err = _group_error(Wg, M, B, alpha, z)
+    alpha = torch.stack(alphas, -1)
+    err = _group_error(Wg, M, idx, _values(alpha, z, table))
     history = [err.sum().item()]
 
     for _ in range(rounds):
-        new_alpha, new_z = _least_squares(Wg, M, B, offset)
-        new_B = _nearest_codes(Wg, new_alpha, new_z, table)
-        new_err = _group_error(Wg, M, new_B, new_alpha, new_z)
-        keep = new_err <= err  # per-group guard: the error never rises
+        new_alpha, new_z = _least_squares(Wg, M, idx, table, offset)
+        values = _values(new_alpha, new_z, table)
+        new_idx = _nearest(Wg, values)
+        new_err = _group_error(Wg, M, new_idx, values)
+        keep = new_err < err  # per-group guard: the error never rises (ties keep the simpler old fit)
         alpha = torch.where(keep.unsqueeze(-1), new_alpha, alpha)
         z = torch.where(keep, new_z, z)
-        B = torch.where(keep[..., None, None], new_B, B)
+        idx = torch.where(keep.unsqueeze(-1), new_idx, idx)
         err = torch.minimum(new_err, err)
         history.append(err.sum().item())
         if history[-2] - history[-1] <= _STOP_REL * history[-2]:
@@ -111,9 +123,11 @@ def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
     # they are the nearest ones for the stored values
     alpha = alpha.abs().half().float()
     z = z.half().float()
-    B = _nearest_codes(Wg, alpha, z, table)
-    final = _group_error(Wg, M, B, alpha, z).sum().item()
-    signs = (B > 0).permute(3, 0, 1, 2).reshape(bits, k, G * g)[:, :, :d]
+    values = _values(alpha, z, table)
+    idx = _nearest(Wg, values)
+    final = _group_error(Wg, M, idx, values).sum().item()
+    planes = torch.arange(bits, device=dev)[:, None, None, None]
+    signs = ((idx.unsqueeze(0) >> planes) & 1).bool().reshape(bits, k, G * g)[:, :, :d]
     return BCQFit(signs=signs, alpha=alpha, offset=z if offset else None, group_size=g, history=history,
                   error=final, norm=(weight.to(torch.float32) ** 2).sum().item())
 

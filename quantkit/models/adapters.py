@@ -17,7 +17,9 @@ class ArchAdapter:
     name: str
     model_types: tuple
     layers_path: str  # attribute path from the CausalLM module to the ModuleList of decoder layers
-    sequential_groups: tuple  # tuple of tuples of linear names inside a layer, in quantization order
+    # tuple of tuples of linear names inside a layer, in quantization order; the linears of one
+    # group must read the same input tensor (the engine gathers their statistics once)
+    sequential_groups: tuple
 
     def layers(self, model) -> nn.ModuleList:
         module = model

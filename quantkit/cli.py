@@ -80,23 +80,27 @@ def fetch_model(force):
 @click.option("--model", "src", default=settings.DEFAULT_MODEL_ALIAS, show_default=True,
               help="HF directory, hub id, .gguf file, or 'smollm2' (the default model).")
 @click.option("--method", default="rtn", show_default=True, help="Quantization method (see `quantkit methods`).")
-@click.option("--bits", type=int, default=4, show_default=True, help="Bits per weight code (2-8).")
-@click.option("--group-size", type=int, default=128, show_default=True,
-              help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept.")
-@click.option("--sym/--asym", default=False, show_default=True, help="Symmetric (no stored zero) or asymmetric.")
-@click.option("--damp", type=float, default=0.01, show_default=True,
-              help="GPTQ: dampening, fraction of the mean Hessian diagonal (raised x10 if Cholesky fails).")
-@click.option("--act-order/--no-act-order", default=False, show_default=True,
-              help="GPTQ: quantize columns in order of descending Hessian diagonal.")
-@click.option("--static-groups/--no-static-groups", default=False, show_default=True,
-              help="GPTQ: group scales/zeros from the original weights up front (no g_idx with --act-order).")
-@click.option("--block-size", type=int, default=128, show_default=True, help="GPTQ: columns per lazy-update block.")
-@click.option("--offset/--no-offset", default=False, show_default=True,
-              help="BCQ: also fit an fp16 offset z per group (w ≈ Σ αᵢbᵢ + z).")
-@click.option("--rounds", type=int, default=15, show_default=True,
-              help="BCQ: alternating least-squares rounds after the greedy start; stops early once the error stops falling.")
+# Method settings default to None: an option not given leaves the method's own default in force
+# (`quantkit methods` lists them), so each method keeps one source of truth for its defaults.
+@click.option("--bits", type=int, default=None, help="Bits per weight code, 2-8 [method default: 4; bcq 3].")
+@click.option("--group-size", type=int, default=None,
+              help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept. [128]")
+@click.option("--sym/--asym", default=None, help="Symmetric (no stored zero) or asymmetric [asym].")
+@click.option("--damp", type=float, default=None,
+              help="GPTQ: dampening, fraction of the mean Hessian diagonal, raised x10 if Cholesky fails [0.01].")
+@click.option("--act-order/--no-act-order", default=None,
+              help="GPTQ: quantize columns in order of descending Hessian diagonal [on].")
+@click.option("--static-groups/--no-static-groups", default=None,
+              help="GPTQ: group scales/zeros from the original weights up front; no g_idx with --act-order [on].")
+@click.option("--block-size", type=int, default=None, help="GPTQ: columns per lazy-update block [128].")
+@click.option("--offset/--no-offset", default=None,
+              help="BCQ: also fit an fp16 offset z per group (w ≈ Σ αᵢbᵢ + z) [off].")
+@click.option("--rounds", type=int, default=None,
+              help="BCQ: alternating least-squares rounds after the greedy start; stops early once the error stops falling [15].")
 @click.option("--format", "format", type=click.Choice(["uniform", "bcq"]), default=None,
               help="Stored format [default: the method's own]. bcq with rtn/gptq converts exactly (LUT-GEMM appendix C).")
+@click.option("--clip-search/--no-clip-search", default=None,
+              help="rtn/gptq: search a shrunk clipping range per group, min Σ|w-q|^2.4 as the GPTQ reference's mse option [gptq on, rtn off].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
@@ -114,7 +118,8 @@ def fetch_model(force):
 @data_dir_option
 @click.pass_context
 def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
-             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format):
+             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format,
+             clip_search):
     """Quantize a checkpoint into a quantkit artifact directory."""
     from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint
@@ -136,9 +141,11 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
         raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(METHODS))}")
     accepted = METHODS[values["method"]].params
     method_params = {}
-    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds"):
+    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds",
+                "clip_search"):
         if key in accepted:
-            method_params[key] = values[key]
+            if values[key] is not None:
+                method_params[key] = values[key]
         elif key in explicit:
             raise QuantkitError(f"--{key.replace('_', '-')} does not apply to --method {values['method']}")
     summary = quantize_checkpoint(values["src"], values["out"], values["method"], method_params,

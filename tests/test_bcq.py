@@ -317,7 +317,7 @@ def test_cli_quantize_bcq_and_format(tiny_llama_dir, tmp_path):
     (("--method", "rtn", "--offset"), "--offset does not apply to --method rtn"),
     (("--method", "rtn", "--rounds", 3), "--rounds does not apply to --method rtn"),
     (("--method", "bcq", "--sym"), "--sym does not apply to --method bcq"),
-    (("--method", "gptq", "--act-order", "--format", "bcq"), "--static-groups"),
+    (("--method", "gptq", "--no-static-groups", "--format", "bcq"), "--static-groups"),
 ])
 def test_cli_refusals(tiny_llama_dir, tmp_path, args, fragment):
     result = _run("quantize", "--model", tiny_llama_dir, *args, "--out", tmp_path / "x")

@@ -66,3 +66,18 @@ def test_all_zero_group_is_handled():
     w[:, :32] = 0
     qt, _ = make_method("rtn", bits=4, group_size=32).quantize(w, None)
     assert torch.equal(qt.dequantize()[:, :32], torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_clip_search_never_increases_the_rounding_error(sym):
+    from quantkit.formats.uniform import CLIP_NORM, fake_quantize, uniform_params
+
+    w = torch.distributions.StudentT(3.0).sample((64, 128)) * 0.02  # heavy tails: clipping pays
+    plain = uniform_params(w, 3, sym)
+    searched = uniform_params(w, 3, sym, clip_search=True)
+
+    def err(params):
+        return (fake_quantize(w, params[0][:, None], params[1][:, None], 3) - w).abs().pow(CLIP_NORM).sum(1)
+
+    assert (err(searched) <= err(plain)).all()
+    assert err(searched).sum() < 0.95 * err(plain).sum()

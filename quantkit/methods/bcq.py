@@ -5,7 +5,7 @@ Solver (Xu et al., 2018): greedy initialisation (z = group mean if offset; then 
 b_i = sign(r), α_i = mean|r|, r −= α_i·b_i), then alternating rounds:
   1. given the codes B, solve [α; z] by least squares (per-group normal equations BᵀB x = Bᵀw);
   2. given α and z, give each weight the nearest of the 2^q representable values Σ α_i·s_i + z.
-A group keeps its new solution only if its error did not rise (a ridge in the solve or ties can
+A group takes a round's solution only if its error falls (the solve's tiny ridge or ties could
 nudge it up), so the total error is non-increasing; rounds stop early once it stops falling.
 Everything is batched over all [k, G] groups of the matrix: groups are padded to g columns
 and a mask keeps the padding of a partial last group out of every sum.
@@ -143,7 +143,7 @@ class BCQ(Method):
         check_group_size(self.group_size)
         if not isinstance(self.offset, bool):
             raise QuantkitError(f"--offset must be true or false, got {self.offset!r}")
-        if not isinstance(self.rounds, int) or self.rounds < 0:
+        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 0:
             raise QuantkitError(f"--rounds must be a non-negative integer, got {self.rounds!r}")
 
     def quantize(self, weight, stats):

@@ -6,7 +6,7 @@ from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantiz
 from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
 
 
-def rtn_quantize(weight, bits, group_size, sym):
+def rtn_quantize(weight, bits, group_size, sym, clip_search=False):
     """Quantize every group of `weight` independently; returns codes [k, d], scales and zeros [k, G]."""
     k, d = weight.shape
     g = effective_group_size(group_size, d)
@@ -16,7 +16,7 @@ def rtn_quantize(weight, bits, group_size, sym):
     zeros = torch.empty_like(scales)
     for j in range(groups):
         cols = slice(j * g, min(d, (j + 1) * g))
-        scale, zero = uniform_params(weight[:, cols], bits, sym)
+        scale, zero = uniform_params(weight[:, cols], bits, sym, clip_search)
         codes[:, cols] = quantize_codes(weight[:, cols], scale[:, None], zero[:, None], bits).to(torch.int64)
         scales[:, j], zeros[:, j] = scale, zero
     return codes, scales, zeros, g
@@ -25,13 +25,13 @@ def rtn_quantize(weight, bits, group_size, sym):
 @register_method
 class RTN(Method):
     name = "rtn"
-    params = {"bits": 4, "group_size": 128, "sym": False}
+    params = {"bits": 4, "group_size": 128, "sym": False, "clip_search": False}
 
     def validate(self):
         check_bits(self.bits)
         check_group_size(self.group_size)
 
     def quantize(self, weight, stats):
-        codes, scales, zeros, g = rtn_quantize(weight, self.bits, self.group_size, self.sym)
+        codes, scales, zeros, g = rtn_quantize(weight, self.bits, self.group_size, self.sym, self.clip_search)
         qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.bits, g, self.sym)
         return qt, {}

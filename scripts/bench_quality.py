@@ -40,12 +40,18 @@ def parse_config(text):
     return method, params
 
 
-def evaluate(model, tokenizer, datasets, seqlen, device, max_windows, data_dir):
+def evaluate(model, tokenizer, datasets, seqlen, device, max_windows, data_dir, batch_size=1):
     out = {}
     for name in datasets:
         ids, protocol = eval_tokens(name, tokenizer, seqlen, data_dir)
-        out[name] = {**perplexity(model, ids, seqlen, max_windows, device, progress=False), **protocol}
+        out[name] = {**perplexity(model, ids, seqlen, max_windows, device, batch_size, progress=False), **protocol}
     return out
+
+
+def write_json(path, meta, rows):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def main():
@@ -63,6 +69,7 @@ def main():
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--workdir", default="out/bench-quality")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch-size", type=int, default=1, help="windows per forward pass during evaluation")
     ap.add_argument("--output-error", action="store_true",
                     help="calibrate every config (RTN too) so each logs its per-module output error")
     args = ap.parse_args()
@@ -75,9 +82,13 @@ def main():
     float_model = load_model(source, dtype=dtype)
     adapter = adapter_for(float_model.config)
     rows = []
+    meta = {"model": source.display, "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+            "dtype": str(dtype), "torch": torch.__version__, "seqlen": args.seqlen, "date": time.strftime("%Y-%m-%d"),
+            "windows": args.max_windows or "all", "eval_batch_size": args.batch_size}
 
     t0 = time.perf_counter()
-    scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir)
+    scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir,
+                      args.batch_size)
     float_model.to("cpu")
     rows.append({"config": "float", "eval_seconds": round(time.perf_counter() - t0, 1), "results": scores})
 
@@ -108,13 +119,15 @@ def main():
         del model
         t0 = time.perf_counter()
         qmodel = load_quantized(out_dir, device=device, dtype=dtype)
-        scores = evaluate(qmodel, tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir)
+        scores = evaluate(qmodel, tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir,
+                          args.batch_size)
         del qmodel
         rows.append({"config": text, "settings": method.config(), "calibration": calib_protocol,
                      "quantize_seconds": round(quant_seconds, 1), "eval_seconds": round(time.perf_counter() - t0, 1),
                      "bits_per_weight": measured_bits(out_dir)["bits_per_weight"], "results": scores,
                      "output_mse_sum": sum(e["output_mse"] for e in entries) if calib_ids is not None else None})
         print(f"done {text}: " + ", ".join(f"{d}={scores[d]['ppl']:.3f}" for d in datasets), flush=True)
+        write_json(args.json, meta, rows)  # after every config, so a cut-off run keeps what it measured
 
     header = ["config", "bits/w"] + datasets + ["quantize s", "eval s", "Σ output mse"]
     print(" | ".join(header))
@@ -123,12 +136,7 @@ def main():
         print(" | ".join([row["config"], bpw] + [f"{row['results'][d]['ppl']:.3f}" for d in datasets]
                          + [str(row.get("quantize_seconds", "-")), str(row["eval_seconds"]),
                             f"{row['output_mse_sum']:.4g}" if row.get("output_mse_sum") is not None else "-"]))
-    meta = {"model": source.display, "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
-            "dtype": str(dtype), "torch": torch.__version__, "seqlen": args.seqlen, "date": time.strftime("%Y-%m-%d"),
-            "windows": args.max_windows or "all"}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args.json, meta, rows)
 
 
 if __name__ == "__main__":

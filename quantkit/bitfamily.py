@@ -10,8 +10,10 @@ Formulas, as in the paper unless noted:
                            (low tier binarized, 1 bit, as the paper's worked figure 3.75 uses;
                            table 4's "(1-p)·l" would give 4.65 for BiLLM(2,2,0.1))
   OOC / GPTQ(h, l, p):     eq. (4): (l+f)/g + l + [2(h+f) + p·g·h - (l+f) - l·p·g]/d
+                           (stored "ooc" modules: ooc_meta_bits, eq. (4) plus its stated extras)
   BCQ(q, g[, offset]):     A = q + (q·f [+ f])/g                   (q fp16 scales per group, opt. offset)
   codebook(b) per channel: A = b + 2^b·f/d                         (SqueezeLLM / any-precision LUT)
+  any-precision seed..n:   A = n + Σ_{b=seed..n} 2^b·f/d (stored);  b + 2^b·f/d read when serving b
 Measured bits (`bitfamily DIR`) come from the stored bytes of every tensor of each quantized
 module; the matching formula uses the exact group count ceil(d/g) of our layout.
 """
@@ -49,6 +51,27 @@ def ooc_bits(h, l, p, g, d=None, f=FLAG_BITS):
     return base + (2 * (h + f) + p * g * h - (l + f) - l * p * g) / d
 
 
+def ooc_meta_bits(meta: dict, f=FLAG_BITS):
+    """Bits per weight of a stored "ooc" module (formats/ooc.py): eq. (4) with p = n_clear/g and the
+    exact group count, plus what eq. (4) leaves out, all exact:
+      - (l - h)/d: eq. (4) counts the odd group's low zero point at h bits, we store it at l bits;
+      - 16·C·n/(k·d): the clear-column table (C = 1 per matrix; C candidates per row) [32 bits if d > 32767];
+      - 8/d (uint8, C <= 256) or 16/d per row: the per-row choice of list;
+      - packing padding: every packed row of codes/zeros is rounded up to 32 bits.
+    Symmetric storage has no zero points: the l-bit zero of every group and the h-bit odd zero drop out."""
+    from quantkit.formats.ooc import ooc_stored_bits
+
+    k, d = meta["out_features"], meta["in_features"]
+    return ooc_stored_bits(k, d, meta["low_bits"], meta["high_bits"], meta["group_size"], meta["n_clear"],
+                           meta["n_lists"], meta["per_row"], meta["sym"]) / (k * d)
+
+
+def ooc_eq4_exact(h, l, n, g, d, f=FLAG_BITS):
+    """eq. (4) with the exact group count ceil(d/g) and n = p·g clear columns (integer): bits per weight."""
+    groups = math.ceil(d / g)
+    return ((groups - 1) * (l + f) + 2 * (h + f) + n * h + (d - n) * l) / d
+
+
 def bcq_bits(q, g, offset=False, d=None, f=FLAG_BITS):
     groups_per_weight = 1 / g if d is None else math.ceil(d / g) / d
     return q + (q * f + (f if offset else 0)) * groups_per_weight
@@ -56,6 +79,19 @@ def bcq_bits(q, g, offset=False, d=None, f=FLAG_BITS):
 
 def codebook_bits(b, d=None, f=FLAG_BITS):
     return b if d is None else b + (2**b) * f / d
+
+
+def anyprec_bits(seed, parent, d=None, f=FLAG_BITS):
+    """Stored bits of an any-precision matrix (formats/anyprec.py): parent planes (padded to 32
+    columns per row) + one per-row fp16 table of 2^b entries for every b in seed..parent."""
+    if d is None:
+        return parent
+    return (parent * 32 * math.ceil(d / 32) + sum(2**b * f for b in range(seed, parent + 1))) / d
+
+
+def anyprec_read_bits(bits, d=None, f=FLAG_BITS):
+    """Bits per weight read when serving `bits` from an any-precision matrix: top planes + that table."""
+    return bits if d is None else (bits * 32 * math.ceil(d / 32) + 2**bits * f) / d
 
 
 def formula_table(g=128, d_min=768, f=FLAG_BITS):
@@ -91,6 +127,11 @@ def formula_for_meta(meta: dict):
     if fmt == "bcq":
         # planes are padded to 32 columns per row (formats/bcq.py): equal to the stored bits when d % 32 == 0
         return bcq_bits(meta["bits"], meta["group_size"], meta["offset"], d)
+    if fmt == "anyprec":
+        # equals codebook_bits(b, d) for a SqueezeLLM tensor (seed == parent) when d % 32 == 0
+        return anyprec_bits(meta["seed_bits"], meta["parent_bits"], d)
+    if fmt == "ooc":
+        return ooc_meta_bits(meta)
     return None
 
 
@@ -118,6 +159,14 @@ def measured_bits(artifact_dir) -> dict:
         rows.append({"module": name, "shape": [meta["out_features"], meta["in_features"]], "format": meta["format"],
                      "stored_bits": stored[name], "bits_per_weight": stored[name] / numel,
                      "formula": formula_for_meta(meta)})
-    return {"artifact": str(artifact_dir), "method": qcfg.get("method"), "modules": rows,
-            "bits_per_weight": total_bits / total_weights if total_weights else float("nan"),
-            "quantized_weights": total_weights, "stored_bits": total_bits}
+        if meta["format"] == "anyprec":  # what serving each stored width reads
+            rows[-1]["read_bits"] = {b: anyprec_read_bits(b, meta["in_features"])
+                                     for b in range(meta["seed_bits"], meta["parent_bits"] + 1)}
+    report = {"artifact": str(artifact_dir), "method": qcfg.get("method"), "modules": rows,
+              "bits_per_weight": total_bits / total_weights if total_weights else float("nan"),
+              "quantized_weights": total_weights, "stored_bits": total_bits}
+    if rows and all("read_bits" in r for r in rows):
+        widths = rows[0]["read_bits"].keys()
+        report["read_bits_per_weight"] = {
+            b: sum(r["read_bits"][b] * r["shape"][0] * r["shape"][1] for r in rows) / total_weights for b in widths}
+    return report

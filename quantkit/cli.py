@@ -101,6 +101,19 @@ def fetch_model(force):
               help="Stored format [default: the method's own]. bcq with rtn/gptq converts exactly (LUT-GEMM appendix C).")
 @click.option("--clip-search/--no-clip-search", default=None,
               help="rtn/gptq: search a shrunk clipping range per group, min Σ|w-q|^2.4 as the GPTQ reference's mse option [gptq on, rtn off].")
+@click.option("--low-bits", type=int, default=None, help="ooc: bits l of the low tier [2].")
+@click.option("--high-bits", type=int, default=None, help="ooc: bits h of the clear columns of the odd group [2].")
+@click.option("--clear-fraction", type=float, default=None, help="ooc: fraction p of the odd group's columns kept clear [0.1].")
+@click.option("--scan", type=float, default=None,
+              help="ooc: fraction s of the groups (most salient first) tried as the odd group; 0 = GPTQ(l) [0.1].")
+@click.option("--per-row/--no-per-row", default=None, help="ooc: choose the odd group per output row instead of per matrix [off].")
+@click.option("--impl", type=click.Choice(["batch", "naive"]), default=None,
+              help="ooc: candidates batched (p-OOC-Batch) or one after another (p-OOC-Naive) [batch].")
+@click.option("--seed-bits", type=int, default=None, help="anyprec: bits of the SqueezeLLM seed model [3].")
+@click.option("--parent-bits", type=int, default=None, help="anyprec: bits of the parent model, upscaled from the seed [8].")
+@click.option("--sensitivity", type=click.Choice(["activation", "fisher", "none"]), default=None,
+              help="squeezellm/anyprec: k-means weight of each weight: diag of XᵀX of its input, Σ grad² of the LM "
+                   "loss over the calibration windows (fisher, one whole-model backward per window), or none [activation].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
@@ -119,7 +132,8 @@ def fetch_model(force):
 @click.pass_context
 def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
              calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format,
-             clip_search):
+             clip_search, low_bits=None, high_bits=None, clear_fraction=None, scan=None, per_row=None, impl=None,
+             seed_bits=None, parent_bits=None, sensitivity=None):
     """Quantize a checkpoint into a quantkit artifact directory."""
     from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint
@@ -142,7 +156,8 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
     accepted = METHODS[values["method"]].params
     method_params = {}
     for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds",
-                "clip_search"):
+                "clip_search", "low_bits", "high_bits", "clear_fraction", "scan", "per_row", "impl", "seed_bits",
+                "parent_bits", "sensitivity"):
         if key in accepted:
             if values[key] is not None:
                 method_params[key] = values[key]
@@ -197,9 +212,11 @@ def eval_group():
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Compute dtype [default: float16 on cuda, float32 on cpu].")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
+@click.option("--bits", type=int, default=None,
+              help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results (ppl + protocol) as JSON.")
 @data_dir_option
-def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir):
+def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir, bits):
     """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol."""
     from quantkit.pipeline import evaluate_ppl
 
@@ -210,8 +227,8 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
     results = []
     for src in models:
         results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
-                                data_dir=data_dir, batch_size=batch_size, verify=not no_verify)
-    rows = [[r["model"], r["dataset"], f"{r['ppl']:.3f}", f"{r['windows']}/{r['windows_available']}",
+                                data_dir=data_dir, batch_size=batch_size, verify=not no_verify, bits=bits)
+    rows = [[r["model"] + (f" @{r['served_bits']}b" if "served_bits" in r else ""), r["dataset"], f"{r['ppl']:.3f}", f"{r['windows']}/{r['windows_available']}",
              str(r["seqlen"]), r["protocol"], f"{r['seconds']:.1f}"] for r in results]
     click.echo(_table(rows, ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]))
     if json_path:
@@ -251,6 +268,8 @@ def bitfamily(artifact, group_size, d_min, per_module, as_json):
     rows.append(["TOTAL (quantized linears)", f"{report['quantized_weights']} weights",
                  f"{report['bits_per_weight']:.5f}", "-" if formula_total is None else f"{formula_total:.5f}"])
     click.echo(_table(rows, ["module", "shape", "stored bits/weight", "formula"]))
+    if "read_bits_per_weight" in report:
+        click.echo("read when serving: " + ", ".join(f"{b} bits -> {v:.5f}" for b, v in report["read_bits_per_weight"].items()))
 
 
 @main.command()

@@ -98,8 +98,23 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     if nsamples:
         calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir)
 
+    module_stats, sensitivity_seconds = None, None
+    if "fisher" in quantizer.stats:  # whole-model squared gradients, before any layer is quantized
+        from quantkit.engine.fisher import fisher_sensitivity
+
+        start = time.perf_counter()
+        names = {f"{adapter.layers_path}.{i}.{n}" for i, layer in enumerate(adapter.layers(model))
+                 for n in adapter.linears(layer)}
+        model.to(device)
+        fisher = fisher_sensitivity(model, calib_ids, names=names, device=device)
+        model.to("cpu")
+        module_stats = {name: {"fisher": value.to("cpu")} for name, value in fisher.items()}
+        sensitivity_seconds = round(time.perf_counter() - start, 2)
+        del fisher
+
     start = time.perf_counter()
-    qtensors, entries = quantize_model(model, adapter, quantizer, calib_ids, device=device, progress=progress)
+    qtensors, entries = quantize_model(model, adapter, quantizer, calib_ids, device=device, progress=progress,
+                                       module_stats=module_stats)
     elapsed = time.perf_counter() - start
 
     quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
@@ -109,6 +124,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     summary = {"model": source.display, "method": method, "settings": quantizer.config(),
                "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
                "quantize_seconds": round(elapsed, 2), "modules_quantized": len(qtensors),
+               **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
                "quantkit_version": __version__, "torch": torch.__version__, "host": platform.node()}
     quant_log = {**summary, "modules": entries}
     config = model.config.to_dict()
@@ -121,8 +137,9 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     return summary
 
 
-def load_for_eval(src, device="cpu", dtype=None, verify=True):
-    """(model, tokenizer, source) for a float checkpoint or a quantkit artifact, on `device`."""
+def load_for_eval(src, device="cpu", dtype=None, verify=True, bits=None):
+    """(model, tokenizer, source) for a float checkpoint or a quantkit artifact, on `device`; `bits`
+    picks the served width of an any-precision artifact."""
     from quantkit.runtime import load_quantized
 
     device = resolve_device(device)
@@ -130,24 +147,28 @@ def load_for_eval(src, device="cpu", dtype=None, verify=True):
     source = resolve_source(src)
     tokenizer = load_tokenizer(source)
     if source.kind == "artifact":
-        model = load_quantized(source.path, device=device, dtype=torch_dtype, verify=verify)
+        model = load_quantized(source.path, device=device, dtype=torch_dtype, verify=verify, bits=bits)
+    elif bits is not None:
+        raise QuantkitError(f"--bits applies only to any-precision artifacts, not to {source.display}")
     else:
         model = load_model(source, dtype=torch_dtype).to(device)
     return model, tokenizer, source
 
 
 def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, dtype=None, data_dir=None,
-                 batch_size=1, verify=True, progress=True):
-    """Perplexity of one model on each dataset; one result dict per dataset, protocol included."""
+                 batch_size=1, verify=True, progress=True, bits=None):
+    """Perplexity of one model on each dataset; one result dict per dataset, protocol included.
+    `bits` serves that width of an any-precision artifact (recorded as served_bits)."""
     device = resolve_device(device)
-    model, tokenizer, source = load_for_eval(src, device, dtype, verify)
+    model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
     results = []
     for name in datasets:
         ids, protocol = eval_tokens(name, tokenizer, seqlen, data_dir)
         scores = perplexity(model, ids, seqlen, max_windows, device, batch_size, progress)
         results.append({"model": source.display, "model_kind": source.kind, **scores, **protocol,
                         "tokenizer": type(tokenizer).__name__, "vocab_size": len(tokenizer),
-                        "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")})
+                        "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                        **({} if bits is None else {"served_bits": bits})})
     return results
 
 

@@ -105,9 +105,11 @@ def _quantize_linear(method, name, linear, stats, device):
 
 
 @torch.no_grad()
-def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True):
+def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None):
     """Quantize every adapter linear of `model` in place (weights replaced by their dequantized
-    values). Returns ({module name: QuantizedTensor}, [per-module log entries])."""
+    values). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
+    ({module name: {key: tensor}}, e.g. the whole-model Fisher diagonal) is merged into the
+    statistics of that module."""
     layers = adapter.layers(model)
     needs_stats = bool(method.stats)
     if needs_stats and calib_ids is None:
@@ -139,7 +141,9 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
                 raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN or Inf")
             for name in group:
                 full = f"{prefix}.{index}.{name}"
-                qtensors[full], entry = _quantize_linear(method, full, linears[name], stats, device)
+                extra = (module_stats or {}).get(full)
+                module_in = stats if extra is None else {**stats, **extra}
+                qtensors[full], entry = _quantize_linear(method, full, linears[name], module_in, device)
                 log_entries.append(entry)
             del collector, stats
         inputs = _run_layer(layer, inputs, args, kwargs)

@@ -1,5 +1,7 @@
 from quantkit.formats.base import FORMATS, QuantizedTensor, quantized_tensor_from_state_dict
 from quantkit.formats.uniform import UniformQuantizedTensor
 from quantkit.formats import bcq  # noqa: F401  (registers the "bcq" format)
+from quantkit.formats import ooc  # noqa: F401  (registers the "ooc" format)
+from quantkit.formats import anyprec  # noqa: F401  (registers the "anyprec" format)
 
 __all__ = ["FORMATS", "QuantizedTensor", "quantized_tensor_from_state_dict", "UniformQuantizedTensor"]

@@ -23,8 +23,9 @@ def _model_config(config_dict: dict):
     return AutoConfig.for_model(model_type, **plain)
 
 
-def load_quantized(path, device="cpu", dtype=None, verify=True):
-    """Return a causal LM whose quantized linears are QuantLinear modules, in eval mode."""
+def load_quantized(path, device="cpu", dtype=None, verify=True, bits=None):
+    """Return a causal LM whose quantized linears are QuantLinear modules, in eval mode. `bits`
+    serves that width of an any-precision artifact (None: its parent width)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -35,12 +36,14 @@ def load_quantized(path, device="cpu", dtype=None, verify=True):
     config = _model_config(config_dict)
     tensors = read_tensors(path, verify=verify)
     per_module, rest = split_module_tensors(tensors, qcfg["modules"])
+    if bits is not None and any(meta.get("format") != "anyprec" for meta in qcfg["modules"].values()):
+        raise QuantkitError(f"{path}: --bits applies only to any-precision artifacts (method anyprec/squeezellm)")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, meta in qcfg["modules"].items():
         qtensor = quantized_tensor_from_state_dict(meta, per_module[name])
         bias = rest.pop(f"{name}.bias", None)
-        model.set_submodule(name, QuantLinear(qtensor, bias, compute_dtype=dtype))
+        model.set_submodule(name, QuantLinear(qtensor, bias, compute_dtype=dtype, bits=bits))
     rest = {k: v.to(dtype) if v.is_floating_point() else v for k, v in rest.items()}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     if unexpected:

@@ -3,17 +3,22 @@
 The reference path (any device) dequantizes the weight and calls F.linear; the CUDA kernel
 paths of later issues plug in here and are held to this reference by the tests. Unpacking the
 codes on every call dominates CPU evaluation, so the dequantized weight is cached per
-(device, dtype) unless cache_weight=False (memory then stays at the packed size).
+(device, dtype, bits) unless cache_weight=False (memory then stays at the packed size).
+
+Any-precision tensors (format "anyprec") serve any stored bit-width from the same buffers:
+`bits` picks it at construction (None = the parent width) and `set_bits(k)` switches it later
+without a reload; other formats accept only bits=None.
 """
 
 import torch
 import torch.nn.functional as F
 
+from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
 
 
 class QuantLinear(torch.nn.Module):
-    def __init__(self, qtensor, bias=None, compute_dtype=torch.float32, cache_weight=True):
+    def __init__(self, qtensor, bias=None, compute_dtype=torch.float32, cache_weight=True, bits=None):
         super().__init__()
         self.cache_weight = cache_weight
         self._cached = None
@@ -26,19 +31,33 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer(name, value)
             self._tensor_names.append(name)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(compute_dtype), requires_grad=False)
+        self.bits = None
+        self.set_bits(bits)
+
+    def set_bits(self, bits):
+        """Serve `bits` (anyprec only; None = the stored default). Drops the cached weight."""
+        if bits is not None:
+            if self.meta["format"] != "anyprec":
+                raise QuantkitError(f"bits={bits} can only be chosen for any-precision tensors, not {self.meta['format']}")
+            self.qtensor().check_bits(bits)
+        self.bits = bits
+        self._cached = None
+        return self
 
     def qtensor(self):
         return quantized_tensor_from_state_dict(self.meta, {n: getattr(self, n) for n in self._tensor_names})
 
     def dequantized_weight(self, dtype=None):
-        return self.qtensor().dequantize(dtype or self.compute_dtype)
+        if self.bits is None:
+            return self.qtensor().dequantize(dtype or self.compute_dtype)
+        return self.qtensor().dequantize(dtype or self.compute_dtype, bits=self.bits)
 
     def _apply(self, fn, *args, **kwargs):
         self._cached = None  # moved or cast: the cached weight no longer matches the buffers
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x):
-        key = (x.device, x.dtype)
+        key = (x.device, x.dtype, self.bits)
         if self._cached is not None and self._cached[0] == key:
             weight = self._cached[1]
         else:
@@ -49,4 +68,4 @@ class QuantLinear(torch.nn.Module):
         return F.linear(x, weight, bias)
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.meta.get('bits')}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.bits or self.meta.get('bits')}"

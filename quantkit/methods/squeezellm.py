@@ -1,0 +1,76 @@
+"""SqueezeLLM-style non-uniform quantization: per output row, sensitivity-weighted 1-D k-means with
+2^b centroids; stored as a per-row fp16 lookup table plus b-bit codes in the any-precision bitplane
+format with seed == parent == b (formats/anyprec.py).
+
+Sensitivity (the k-means weight of every element of W):
+  "activation"  diag(Σ xᵀx) of the layer input, broadcast over the rows (stats "hessian"); cheap,
+                gathered by the engine like GPTQ's Hessian.
+  "none"        all ones (plain k-means), needs no calibration.
+  "fisher"      Σ (∂loss/∂w)² over the calibration windows (SqueezeLLM's diagonal Fisher),
+                computed once for the float model by engine/fisher.py before the layer walk
+                (stats "fisher": the pipeline passes it to the engine as per-module stats).
+"""
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.anyprec import AnyPrecisionTensor
+from quantkit.methods.base import Method, check_bits, register_method
+from quantkit.methods.kmeans import SortedRows, kmeans_runs
+
+SENSITIVITIES = ("activation", "fisher", "none")
+
+
+def sensitivity_weights(weight: torch.Tensor, stats, kind: str) -> torch.Tensor:
+    """k-means weight of every element of `weight` [k, d] (broadcastable view)."""
+    if kind == "none":
+        return torch.ones_like(weight)
+    if kind == "fisher":
+        if stats is None or "fisher" not in stats:
+            raise QuantkitError("--sensitivity fisher needs the Fisher statistics (calibration data, --nsamples > 0)")
+        fisher = stats["fisher"].to(device=weight.device, dtype=torch.float64)
+        return fisher + 1e-6 * fisher.mean().clamp_min(1e-30)
+    if kind == "activation":
+        if stats is None or "xtx" not in stats:
+            raise QuantkitError("--sensitivity activation needs calibration statistics (--nsamples > 0)")
+        diag = stats["xtx"].diagonal().to(device=weight.device, dtype=torch.float64)
+        # a column no token ever activates still gets a tiny weight, so its values keep a cluster
+        diag = diag + 1e-6 * diag.mean().clamp_min(1e-30)
+        return diag[None, :].expand_as(weight)
+    raise QuantkitError(f"unknown --sensitivity {kind!r}; choose {', '.join(SENSITIVITIES)}")
+
+
+def seed_clusters(weight, sens, bits):
+    """(SortedRows, starts [k, 2^bits + 1], centroids [k, 2^bits]) of the weighted k-means seed."""
+    sr = SortedRows(weight, sens)
+    starts, centroids = kmeans_runs(sr, 2**bits)
+    return sr, starts, centroids
+
+
+def sensitivity_stats(kind):
+    """The statistics the engine must gather for a sensitivity."""
+    return {"none": (), "activation": ("hessian",), "fisher": ("hessian", "fisher")}[kind]
+
+
+def check_sensitivity(kind):
+    if kind not in SENSITIVITIES:
+        raise QuantkitError(f"--sensitivity must be one of {', '.join(SENSITIVITIES)}, got {kind!r}")
+
+
+@register_method
+class SqueezeLLM(Method):
+    name = "squeezellm"
+    output_format = "anyprec"
+    stats = ("hessian",)
+    params = {"bits": 3, "sensitivity": "activation"}
+
+    def validate(self):
+        check_bits(self.bits, 2, 8)
+        check_sensitivity(self.sensitivity)
+        self.stats = sensitivity_stats(self.sensitivity)
+
+    def quantize(self, weight, stats):
+        sens = sensitivity_weights(weight, stats, self.sensitivity)
+        sr, starts, centroids = seed_clusters(weight, sens, self.bits)
+        qt = AnyPrecisionTensor.from_codes(sr.codes(starts), {self.bits: centroids}, self.bits, self.bits)
+        return qt, {"weighted_sse": sr.run_sse(starts).sum().item()}

@@ -1,0 +1,262 @@
+"""OOC, GPTQ(h, l, p, s): s = 0 is GPTQ(l), the choice minimises the probe loss, per-row never loses
+to per-matrix, naive == batch, the "ooc" format round-trips and its stored bits match eq. (4)."""
+
+import copy
+
+import pytest
+import torch
+
+from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
+from quantkit.bitfamily import formula_for_meta, measured_bits, ooc_eq4_exact
+from quantkit.engine import quantize_model
+from quantkit.errors import QuantkitError
+from quantkit.formats.base import quantized_tensor_from_state_dict
+from quantkit.formats.ooc import OOCQuantizedTensor, ooc_stored_bits
+from quantkit.methods import make_method
+from quantkit.methods.gptq import GPTQ, gptq_quantize, inverse_cholesky, prepare_hessian
+from quantkit.methods.ooc import OOC, clear_count, ooc_gptq, select_candidates
+from quantkit.models import adapter_for
+
+PLAIN = {"act_order": False, "static_groups": False, "clip_search": False}
+
+
+def hessian_stats(x, nsamples=4):
+    return {"xtx": x.t() @ x, "nsamples": nsamples, "ntokens": x.shape[0]}
+
+
+def correlated_inputs(n, d, gen, dtype=torch.float64):
+    rank = max(4, d // 4)
+    mix = torch.randn(rank, d, generator=gen, dtype=dtype)
+    x = torch.randn(n, rank, generator=gen, dtype=dtype) @ mix + 0.3 * torch.randn(n, d, generator=gen, dtype=dtype)
+    return x * torch.exp(torch.randn(d, generator=gen, dtype=dtype) * 0.5)
+
+
+def problem(k, d, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = correlated_inputs(3 * d, d, gen, dtype)
+    weight = torch.randn(k, d, generator=gen, dtype=dtype)
+    weight[:, : d // 8] *= 3  # some salient columns
+    return weight, hessian_stats(x)
+
+
+def probe_loss(weight, w_hat, stats):
+    delta = weight - w_hat.to(weight.dtype)
+    return ((delta @ stats["xtx"].to(weight.dtype)) * delta).sum().item()
+
+
+@pytest.mark.parametrize("shape,low,group_size", [((16, 576), 2, 128), ((12, 100), 3, 32)])
+def test_scan_zero_is_gptq(shape, low, group_size):
+    weight, stats = problem(*shape, seed=0)
+    qt, info = OOC(low_bits=low, high_bits=4, scan=0.0, group_size=group_size).quantize(weight, stats)
+    ref, ref_info = GPTQ(bits=low, group_size=group_size, **PLAIN).quantize(weight, stats)
+    assert qt.format_name == "uniform" and info["odd_group"] is None
+    assert torch.equal(qt.codes(), ref.codes())
+    for key, tensor in ref.state_dict().items():
+        assert torch.equal(qt.state_dict()[key], tensor), key
+    assert info["gptq_loss"] == ref_info["gptq_loss"]
+
+
+def test_core_without_clear_columns_is_gptq():
+    weight, stats = problem(12, 100, seed=1)
+    h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
+    u, _ = inverse_cholesky(h, 0.01)
+    for block in (16, 128):  # groups crossing block ends, partial last group
+        codes, scales, zeros, _, _ = gptq_quantize(w, u, 3, 24, False, block_size=block)
+        c_codes, c_scales, c_zeros, _, _, _ = ooc_gptq(w[None].expand(2, -1, -1), u, 3, 4, 24, False,
+                                                       torch.zeros(2, 100, dtype=torch.bool), block)
+        assert torch.equal(c_codes[0], codes) and torch.equal(c_codes[1], codes)
+        assert torch.equal(c_scales[0], scales) and torch.equal(c_zeros[0], zeros)
+
+
+def test_candidates_follow_salience():
+    weight, stats = problem(8, 200, seed=2)
+    h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
+    score = torch.diagonal(h) * w.pow(2).sum(0)
+    groups, cols = select_candidates(h, w, 64, 0.5, clear_count(0.1, 64))  # 4 groups (last partial: 8 wide)
+    sums = torch.stack([score[j * 64 : (j + 1) * 64].sum() for j in range(4)])
+    assert groups == torch.argsort(sums, descending=True)[:2].tolist()
+    for j, c in zip(groups, cols):
+        assert c.shape == (6,) and bool((c // 64 == j).all())
+        assert set(c.tolist()) == set((torch.argsort(score[j * 64 : (j + 1) * 64], descending=True)[:6] + j * 64).tolist())
+    assert select_candidates(h, w, 64, 0.0, 6)[0] == []
+    assert 3 not in select_candidates(h, w, 64, 1.0, 13)[0]  # the 8-wide last group cannot hold 13 clear columns
+
+
+@pytest.mark.parametrize("high", [2, 3])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_choice_minimises_probe_loss(high, per_row):
+    weight, stats = problem(24, 320, seed=3)
+    qt, info = OOC(low_bits=2, high_bits=high, scan=1.0, group_size=64, per_row=per_row).quantize(weight, stats)
+    options = [info["probe_loss_gptq"], *info["probe_loss_candidates"]]
+    assert len(options) == 1 + 5
+    # the stored result's loss is the recorded one
+    assert probe_loss(weight, qt.dequantize(torch.float64), stats) == pytest.approx(info["probe_loss"], rel=1e-9)
+    if per_row:
+        assert info["probe_loss"] <= min(options) * (1 + 1e-12)
+    else:
+        assert info["probe_loss"] == min(options)
+        assert info["odd_group"] == info["ooc_candidates"][options.index(min(options)) - 1]
+    # each candidate's recorded loss is the loss of that candidate alone (s picks exactly it)
+    for m, group in enumerate(info["ooc_candidates"]):
+        h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
+        u, _ = inverse_cholesky(h, 0.01)
+        _, cols = select_candidates(h, w, 64, 1.0, 6)
+        mask = torch.zeros(1, 320, dtype=torch.bool)
+        mask[0, cols[m]] = True
+        dq = ooc_gptq(w[None], u, 2, high, 64, False, mask)[-1][0]
+        assert probe_loss(weight, dq, stats) == pytest.approx(info["probe_loss_candidates"][m], rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_row_never_worse_than_per_matrix(seed):
+    weight, stats = problem(32, 256, seed=10 + seed)
+    for high, scan in ((2, 0.5), (3, 1.0)):
+        kwargs = {"low_bits": 2, "high_bits": high, "scan": scan, "group_size": 64}
+        _, matrix = OOC(**kwargs).quantize(weight, stats)
+        qt, row = OOC(**kwargs, per_row=True).quantize(weight, stats)
+        assert row["probe_loss"] <= matrix["probe_loss"] * (1 + 1e-12)
+        assert row["probe_loss"] <= row["probe_loss_gptq"] * (1 + 1e-12)
+        if qt.format_name == "ooc":
+            assert sum(row["rows_per_option"]) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_naive_equals_batch(dtype, per_row):
+    weight, stats = problem(24, 300, seed=4, dtype=dtype)
+    results = [OOC(low_bits=2, high_bits=3, scan=1.0, group_size=64, per_row=per_row, impl=impl, block_size=48)
+               .quantize(weight, stats) for impl in ("naive", "batch")]
+    (a, info_a), (b, info_b) = results
+    assert a.format_name == b.format_name == "ooc"
+    for key, tensor in a.state_dict().items():
+        assert torch.equal(b.state_dict()[key], tensor), key
+    assert info_a == info_b
+
+
+@pytest.mark.parametrize("high,per_row,sym", [(2, False, False), (3, False, False), (3, True, False), (4, True, True)])
+def test_format_round_trip_and_bits(high, per_row, sym):
+    k, d, g = 64, 576, 128
+    weight, stats = problem(k, d, seed=5)
+    qt, info = OOC(low_bits=2, high_bits=high, scan=1.0, group_size=g, per_row=per_row, sym=sym).quantize(weight, stats)
+    assert isinstance(qt, OOCQuantizedTensor)
+    again = quantized_tensor_from_state_dict(qt.meta(), qt.state_dict())
+    assert torch.equal(again.dequantize(), qt.dequantize())
+    meta = qt.meta()
+    n = meta["n_clear"]
+    assert n == 13 and meta["n_lists"] == (len(info["ooc_candidates"]) if per_row else 1)
+    assert qt.stored_bits() == ooc_stored_bits(k, d, 2, high, g, n, meta["n_lists"], per_row, sym)
+    assert qt.bits_per_weight() == pytest.approx(formula_for_meta(meta), abs=1e-12)
+    if high == 2 and not sym:  # no packing padding here: eq. (4) + the clear-column table, exactly
+        assert qt.stored_bits() == round(ooc_eq4_exact(high, 2, n, g, d) * k * d) + 16 * n * meta["n_lists"] \
+            + (8 * k if per_row else 0)
+
+
+def _tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("high,per_row", [(2, False), (3, True)])
+def test_artifact_bits_match_eq4(tmp_path, high, per_row):
+    from quantkit.runtime import load_quantized
+
+    model = _tiny_llama()
+    adapter = adapter_for(model.config)
+    method = make_method("ooc", low_bits=2, high_bits=high, scan=1.0, per_row=per_row)
+    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model)
+    qtensors, entries = quantize_model(reference, adapter, method, calib, progress=False)
+    out = write_artifact(tmp_path / "art", model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
+                         float_tensors=float_tensors(reference, qtensors),
+                         quantization_config={"method": "ooc", **method.config(), "architecture": adapter.name},
+                         quant_log={"modules": entries})
+    modules = read_config(out)["quantization_config"]["modules"]
+    formats = [meta["format"] for meta in modules.values()]
+    assert formats.count("ooc") >= len(formats) // 2, formats  # h > l or scanning every group: mostly OOC wins
+    report = measured_bits(out)
+    for row in report["modules"]:
+        assert row["bits_per_weight"] == pytest.approx(row["formula"], abs=1e-12), row
+        meta = modules[row["module"]]
+        if meta["format"] == "ooc" and high == 2:  # no padding at these shapes: eq. (4) + table (+ row choice)
+            k, d = row["shape"]
+            g = min(128, d)
+            extra = 16 * meta["n_clear"] * meta["n_lists"] + (8 * k if per_row else 0)
+            assert row["stored_bits"] == round(ooc_eq4_exact(2, 2, meta["n_clear"], g, d) * k * d) + extra
+    per_module, _ = split_module_tensors(read_tensors(out), modules)
+    loaded = load_quantized(out)
+    for name, meta in modules.items():
+        qt = quantized_tensor_from_state_dict(meta, per_module[name])
+        assert torch.equal(qt.dequantize(), reference.get_submodule(name).weight)
+        assert torch.equal(loaded.get_submodule(name).dequantized_weight(torch.float32), qt.dequantize())
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(loaded(ids).logits).all()
+
+
+def test_h3_beats_h2_on_probe_loss():
+    weight, stats = problem(32, 384, seed=6)
+    infos = {h: OOC(low_bits=2, high_bits=h, scan=1.0, group_size=128).quantize(weight, stats)[1] for h in (2, 3)}
+    assert infos[3]["probe_loss"] <= infos[2]["probe_loss"] <= infos[2]["probe_loss_gptq"]
+    assert infos[2]["probe_loss_gptq"] == infos[3]["probe_loss_gptq"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"low_bits": 1}, "--low-bits"), ({"high_bits": 9}, "--high-bits"), ({"low_bits": 3, "high_bits": 2}, "at least"),
+    ({"clear_fraction": 0.0}, "--clear-fraction"), ({"scan": 1.5}, "--scan"), ({"impl": "fast"}, "--impl"),
+    ({"per_row": "yes"}, "per_row"), ({"bits": 2}, "does not take"),
+])
+def test_validation(kwargs, match):
+    with pytest.raises(QuantkitError, match=match):
+        make_method("ooc", **kwargs)
+
+
+def test_cli_options_default_to_none():
+    from quantkit.cli import quantize
+
+    defaults = {p.name: p.default for p in quantize.params}
+    for key in OOC.params:
+        assert defaults[key] is None, key
+
+
+def test_preset():
+    from pathlib import Path
+
+    import yaml
+
+    from quantkit.cli import quantize
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / "ooc-w2g128.yaml"
+    values = {k.replace("-", "_"): v for k, v in yaml.safe_load(preset.read_text()).items()}
+    assert set(values) <= {p.name for p in quantize.params}
+    assert values.pop("method") == "ooc"
+    assert make_method("ooc", **values).config() == OOC().config()
+
+
+def test_cli_quantize_ooc_and_bitfamily(tmp_path, tiny_llama_dir, data_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    out = tmp_path / "ooc"
+    args = ["quantize", "--model", tiny_llama_dir, "--method", "ooc", "--low-bits", 2, "--high-bits", 3,
+            "--clear-fraction", 0.1, "--scan", 1.0, "--per-row", "--impl", "naive", "--out", out, "--nsamples", 2,
+            "--seqlen", 32, "--data-dir", data_dir]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    qcfg = read_config(out)["quantization_config"]
+    assert qcfg["method"] == "ooc" and qcfg["high_bits"] == 3 and qcfg["per_row"] and qcfg["impl"] == "naive"
+    result = CliRunner().invoke(main, ["bitfamily", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    rows = report["modules"] if "modules" in report else report["measured"]["modules"]
+    assert any(r["format"] == "ooc" for r in rows)
+    for r in rows:
+        assert r["bits_per_weight"] == pytest.approx(r["formula"], abs=1e-12), r
+    bad = CliRunner().invoke(main, [str(a) for a in ["quantize", "--model", tiny_llama_dir, "--method", "gptq", "--scan",
+                                                    0.2, "--out", tmp_path / "x"]])
+    assert bad.exit_code == 2 and "--scan does not apply" in bad.output

@@ -26,6 +26,11 @@ For a [k, d] weight with H = 2·XᵀX/n (prepare_hessian):
 impl="batch" (p-OOC-Batch, the paper's selection parallel): the candidate copies are stacked
 [c, k, d] and one column loop updates all of them with batched tensor ops. impl="naive"
 (p-OOC-Naive): the same routine once per candidate. Both give the same codes.
+
+Not built yet: the two-flow ensemble OOC(h,l,p,s). Its plan: quantize_model takes a list of
+flows (method, own layer inputs, own qtensors/log) and walks the layers once; at each layer every
+flow runs the layer with its own quantized weights for its statistics and its next inputs; the
+pipeline then scores each flow on held-out windows and keeps the better (reporting both).
 """
 
 import math

@@ -17,18 +17,7 @@ from quantkit.methods.gptq import GPTQ, gptq_quantize, inverse_cholesky, prepare
 from quantkit.methods.ooc import OOC, clear_count, ooc_gptq, select_candidates
 from quantkit.models import adapter_for
 
-PLAIN = {"act_order": False, "static_groups": False, "clip_search": False}
-
-
-def hessian_stats(x, nsamples=4):
-    return {"xtx": x.t() @ x, "nsamples": nsamples, "ntokens": x.shape[0]}
-
-
-def correlated_inputs(n, d, gen, dtype=torch.float64):
-    rank = max(4, d // 4)
-    mix = torch.randn(rank, d, generator=gen, dtype=dtype)
-    x = torch.randn(n, rank, generator=gen, dtype=dtype) @ mix + 0.3 * torch.randn(n, d, generator=gen, dtype=dtype)
-    return x * torch.exp(torch.randn(d, generator=gen, dtype=dtype) * 0.5)
+from gptq_helpers import PLAIN, correlated_inputs, hessian_stats
 
 
 def problem(k, d, seed, dtype=torch.float64):

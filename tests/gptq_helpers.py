@@ -17,3 +17,30 @@ def correlated_inputs(n, d, gen, dtype=torch.float32):
     mix = torch.randn(rank, d, generator=gen, dtype=dtype)
     x = torch.randn(n, rank, generator=gen, dtype=dtype) @ mix + 0.3 * torch.randn(n, d, generator=gen, dtype=dtype)
     return x * torch.exp(torch.randn(d, generator=gen, dtype=dtype) * 0.5)
+
+
+def tiny_llama(seed=0):
+    """A 2-layer random llama built from its config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def quantize_to_artifact(model, method, out_dir, seed=0):
+    """Run the engine on `model` with random calibration ids and write the artifact.
+    Returns (artifact dir, qtensors, log entries); `model` holds the dequantized weights after."""
+    from quantkit.artifact import float_tensors, write_artifact
+    from quantkit.engine import quantize_model
+    from quantkit.models import adapter_for
+
+    adapter = adapter_for(model.config)
+    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(seed))
+    qtensors, entries = quantize_model(model, adapter, method, calib, progress=False)
+    out = write_artifact(out_dir, model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
+                         float_tensors=float_tensors(model, qtensors),
+                         quantization_config={"method": method.name, **method.config(), "architecture": adapter.name},
+                         quant_log={"modules": entries})
+    return out, qtensors, entries

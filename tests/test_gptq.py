@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
+from quantkit.artifact import read_config, read_tensors, split_module_tensors
 from quantkit.engine import quantize_model
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
@@ -20,7 +20,7 @@ from quantkit.models import adapter_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-from gptq_helpers import PLAIN, correlated_inputs, hessian_stats
+from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact, tiny_llama
 
 
 def plain_gptq(weight, xtx, nsamples, bits, group_size, sym, damp=0.01, act_order=False, static_groups=False):
@@ -126,28 +126,13 @@ def test_block_size_does_not_change_result_fp32():
         assert (other != results[0]).float().mean() < 1e-3
 
 
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("static_groups", [True, False])
 def test_act_order_artifact_round_trip(tmp_path, static_groups):
     from quantkit.runtime import load_quantized
 
-    model = _tiny_llama()
-    adapter = adapter_for(model.config)
+    model = tiny_llama()
     method = make_method("gptq", bits=3, group_size=24, act_order=True, static_groups=static_groups)
-    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
-    qtensors, entries = quantize_model(model, adapter, method, calib, progress=False)
-    out = write_artifact(tmp_path / "art", model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
-                         float_tensors=float_tensors(model, qtensors),
-                         quantization_config={"method": "gptq", **method.config(), "architecture": adapter.name},
-                         quant_log={"modules": entries})
+    out, qtensors, entries = quantize_to_artifact(model, method, tmp_path / "art")
     modules = read_config(out)["quantization_config"]["modules"]
     per_module, _ = split_module_tensors(read_tensors(out), modules)
     loaded = load_quantized(out)
@@ -215,8 +200,8 @@ def test_presets_and_cli_options():
         assert defaults[key] is None, key
 
 
-def test_engine_gptq_beats_rtn_on_tiny_llama():
-    model = _tiny_llama(1)
+def test_engine_gptq_beats_rtn_ontiny_llama():
+    model = tiny_llama(1)
     adapter = adapter_for(model.config)
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     logs = {}

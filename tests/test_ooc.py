@@ -6,18 +6,16 @@ import copy
 import pytest
 import torch
 
-from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
+from quantkit.artifact import read_config, read_tensors, split_module_tensors
 from quantkit.bitfamily import formula_for_meta, measured_bits, ooc_eq4_exact
-from quantkit.engine import quantize_model
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
 from quantkit.formats.ooc import OOCQuantizedTensor, ooc_stored_bits
 from quantkit.methods import make_method
 from quantkit.methods.gptq import GPTQ, gptq_quantize, inverse_cholesky, prepare_hessian
 from quantkit.methods.ooc import OOC, clear_count, ooc_gptq, select_candidates
-from quantkit.models import adapter_for
 
-from gptq_helpers import PLAIN, correlated_inputs, hessian_stats
+from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact, tiny_llama
 
 
 def problem(k, d, seed, dtype=torch.float64):
@@ -140,29 +138,14 @@ def test_format_round_trip_and_bits(high, per_row, sym):
             + (8 * k if per_row else 0)
 
 
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("high,per_row", [(2, False), (3, True)])
 def test_artifact_bits_match_eq4(tmp_path, high, per_row):
     from quantkit.runtime import load_quantized
 
-    model = _tiny_llama()
-    adapter = adapter_for(model.config)
+    model = tiny_llama()
     method = make_method("ooc", low_bits=2, high_bits=high, scan=1.0, per_row=per_row)
-    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     reference = copy.deepcopy(model)
-    qtensors, entries = quantize_model(reference, adapter, method, calib, progress=False)
-    out = write_artifact(tmp_path / "art", model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
-                         float_tensors=float_tensors(reference, qtensors),
-                         quantization_config={"method": "ooc", **method.config(), "architecture": adapter.name},
-                         quant_log={"modules": entries})
+    out, qtensors, entries = quantize_to_artifact(reference, method, tmp_path / "art")
     modules = read_config(out)["quantization_config"]["modules"]
     formats = [meta["format"] for meta in modules.values()]
     assert formats.count("ooc") >= len(formats) // 2, formats  # h > l or scanning every group: mostly OOC wins

@@ -40,7 +40,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats.ooc import OOCQuantizedTensor
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, uniform_params
-from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+from quantkit.methods.base import Method, check_group_size, effective_group_size, register_method
 from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
 
 

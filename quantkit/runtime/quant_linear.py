@@ -1,7 +1,8 @@
 """QuantLinear: a linear layer backed by a QuantizedTensor.
 
-The reference path (any device) dequantizes the weight and calls F.linear; the CUDA kernel
-paths of later issues plug in here and are held to this reference by the tests. Unpacking the
+The reference path (any device) dequantizes the weight and calls F.linear. On CUDA inputs the
+kernels registered in quantkit.kernels.dispatch serve the formats they know (set
+`use_kernels = False` to force the reference); tests hold them to the reference. Unpacking the
 codes on every call dominates CPU evaluation, so the dequantized weight is cached per
 (device, dtype, bits) unless cache_weight=False (memory then stays at the packed size).
 
@@ -15,12 +16,14 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
+from quantkit.kernels.dispatch import kernel_forward
 
 
 class QuantLinear(torch.nn.Module):
     def __init__(self, qtensor, bias=None, compute_dtype=torch.float32, cache_weight=True, bits=None):
         super().__init__()
         self.cache_weight = cache_weight
+        self.use_kernels = True  # CUDA inputs go through quantkit.kernels.dispatch when a kernel serves the format
         self._cached = None
         self.out_features, self.in_features = qtensor.shape
         self.meta = qtensor.meta()
@@ -57,6 +60,9 @@ class QuantLinear(torch.nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x):
+        out = kernel_forward(self, x)
+        if out is not None:
+            return out
         key = (x.device, x.dtype, self.bits)
         if self._cached is not None and self._cached[0] == key:
             weight = self._cached[1]

@@ -3,8 +3,17 @@
 __version__ = "0.1.0"
 
 
-def load(path, device="cpu", dtype=None, verify=True):
-    """Load a quantkit artifact directory as a transformers model with QuantLinear modules."""
+def load(path, device="cpu", dtype=None, verify=True, bits=None):
+    """Load a quantkit artifact directory as a transformers model whose quantized linears are QuantLinear
+    modules (CUDA kernels on CUDA inputs, the dequantize reference elsewhere), in eval mode.
+
+    device: "cpu", "cuda[:N]", or None for cuda when available. dtype: compute dtype [float16 on
+    cuda, float32 on cpu]. verify: check the shards' checksums. bits: serve this width of an
+    any-precision artifact (None: its parent width; `QuantLinear.set_bits` switches it later).
+    The config keeps use_cache=False for perplexity; `model.generate` uses the KV cache anyway when
+    called with use_cache=True (quantkit.runtime.generate.generate_text does).
+    """
+    from quantkit.pipeline import resolve_device
     from quantkit.runtime.loader import load_quantized
 
-    return load_quantized(path, device=device, dtype=dtype, verify=verify)
+    return load_quantized(path, device=resolve_device(device), dtype=dtype, verify=verify, bits=bits)

@@ -8,29 +8,44 @@ An artifact is a directory a Hugging Face user recognises:
   model.safetensors    (or model-0000i-of-0000n.safetensors + index) holding, for a quantized
                        linear `m`, the format's tensors as `m.qweight`, `m.scales`, ...; every
                        other tensor in fp16; header metadata: quantkit version, format, sha256
-                       of the tensor contents
+                       of the tensor contents, and the two cross-checks below
   quant_log.json       per-module reconstruction error and time, calibration protocol
 It is written into a temporary sibling directory and renamed into place only when complete.
 Only safetensors and JSON are used (no pickle).
+
+Integrity, from cheapest to dearest:
+  * config ↔ tensor files: every shard header carries `quantkit_config_sha256`, a digest of
+    config.json as written (with the `files` checksums reduced to the file names, since those
+    are only known after the shards), so an edited or swapped config.json is refused;
+  * header ↔ its tensors: `quantkit_layout_sha256` digests the tensors' names, dtypes, shapes and
+    data offsets, so an edited header entry is refused. These two read only headers and are always checked.
+  * bytes: config.json lists the sha256 of every tensor file; read_tensors checks them unless
+    verify=False (`--no-verify`). Without it, changes confined to tensor bytes go unnoticed.
+Artifacts written before these checks existed lack the two header digests and skip them.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit import __version__
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, StorageError
 
 CONFIG = "config.json"
 LOG = "quant_log.json"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+# a safetensors header is JSON of a few hundred bytes per tensor; anything far larger is damage
+MAX_HEADER_BYTES = 100 * 1024**2
+CONFIG_KEY = "quantkit_config_sha256"
+LAYOUT_KEY = "quantkit_layout_sha256"
 
 
 def tensor_digest(tensors: dict) -> str:
@@ -49,6 +64,67 @@ def file_digest(path: Path) -> str:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _config_digest(config: dict) -> str:
+    """sha256 of the canonical JSON of `config`, with quantization_config.files reduced to its names."""
+    canon = json.loads(json.dumps(config))
+    qcfg = canon.get("quantization_config")
+    if isinstance(qcfg, dict) and isinstance(qcfg.get("files"), dict):
+        qcfg["files"] = sorted(qcfg["files"])
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (tensor entries and `__metadata__`), read without the data."""
+    try:
+        with open(path, "rb") as fh:
+            size_bytes = fh.read(8)
+            if len(size_bytes) < 8:
+                raise ValueError("file shorter than its header length field")
+            (size,) = struct.unpack("<Q", size_bytes)
+            if size > MAX_HEADER_BYTES or size > path.stat().st_size - 8:
+                raise ValueError(f"header length {size} exceeds the file")
+            header = json.loads(fh.read(size).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise QuantkitError(f"{path}: not a valid safetensors file ({exc}); re-create the artifact") from exc
+    except OSError as exc:
+        raise QuantkitError(f"{path}: unreadable ({exc.strerror or exc})") from exc
+    if not isinstance(header, dict):
+        raise QuantkitError(f"{path}: not a valid safetensors file (header is not a JSON object)")
+    return header
+
+
+def _layout_digest(header: dict, where) -> str:
+    """sha256 of the header's tensor entries: names, dtypes, shapes and data offsets."""
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or \
+                not isinstance(info.get("shape"), list) or not isinstance(info.get("data_offsets"), list):
+            raise QuantkitError(f"{where}: malformed header entry for tensor {name!r}")
+        entries.append([name, info["dtype"], info["shape"], info["data_offsets"]])
+    text = json.dumps(sorted(entries), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def finish_header(path: Path):
+    """Fill in `quantkit_layout_sha256` (written as a placeholder of the same length) and sort the
+    metadata keys, rewriting the header in place. Sorting matters because the library emits
+    `__metadata__` in hash-map order, which changes from process to process: sorted, two runs that
+    store the same tensors write the same bytes (what --resume and multi-GPU runs promise)."""
+    with open(path, "r+b") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size).decode("utf-8"))
+        meta = dict(header.pop("__metadata__", None) or {})
+        meta[LAYOUT_KEY] = _layout_digest(header, path)
+        ordered = {"__metadata__": dict(sorted(meta.items())), **header}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > size:  # same content as the library wrote, compact: only a bug makes it longer
+            raise RuntimeError(f"{path}: rewritten header longer than the original ({len(text)} > {size})")
+        fh.seek(8)
+        fh.write(text + b" " * (size - len(text)))  # the format pads headers with spaces
 
 
 def float_tensors(model, quantized_modules, dtype=torch.float16) -> dict:
@@ -85,15 +161,17 @@ def _shard(tensors: dict, max_bytes: int):
 
 def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, float_tensors: dict,
                    quantization_config: dict, quant_log: dict, overwrite=False, max_shard_bytes=DEFAULT_SHARD_BYTES):
-    """Write the artifact atomically. qtensors: {module name: QuantizedTensor}."""
+    """Write the artifact atomically. qtensors: {module name: QuantizedTensor}. A failure leaves
+    neither `out_dir` (an existing one is kept) nor a temporary directory; a failed write is a
+    StorageError naming the cause (e.g. no space left on device)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise QuantkitError(f"{out_dir} already exists; pass --overwrite to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         tensors = dict(float_tensors)
         modules = {}
         for name, qt in qtensors.items():
@@ -101,20 +179,23 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
             for key, value in qt.state_dict().items():
                 tensors[f"{name}.{key}"] = value.detach().to("cpu").contiguous()
         shards = _shard(tensors, max_shard_bytes)
-        files = {}
+        names = ["model.safetensors"] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        qcfg = {"quant_method": "quantkit", "quantkit_version": __version__, **quantization_config,
+                "modules": modules, "files": {fname: None for fname in names}}
+        config = dict(model_config)
+        config["quantization_config"] = qcfg
+        config_digest = _config_digest(config)  # covers the file names, not their checksums
         weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": tensor_digest(shard)}
+        for fname, shard in zip(names, shards):
+            metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": tensor_digest(shard),
+                        CONFIG_KEY: config_digest, LAYOUT_KEY: "0" * 64}  # the layout is known once written
             save_file(shard, str(tmp / fname), metadata=metadata)
-            files[fname] = file_digest(tmp / fname)
+            finish_header(tmp / fname)
+            qcfg["files"][fname] = file_digest(tmp / fname)
             weight_map.update({name: fname for name in shard})
         if len(shards) > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-        qcfg = {"quant_method": "quantkit", "quantkit_version": __version__, **quantization_config,
-                "modules": modules, "files": files}
-        config = dict(model_config)
-        config["quantization_config"] = qcfg
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / LOG).write_text(json.dumps(quant_log, indent=1))
         if tokenizer is not None:
@@ -126,26 +207,70 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
             shutil.rmtree(trash, ignore_errors=True)
         else:
             tmp.rename(out_dir)
-    except OSError as exc:
+    except QuantkitError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise QuantkitError(f"could not write the artifact to {out_dir}: {exc.strerror or exc}") from exc
+        raise
+    except (OSError, SafetensorError) as exc:  # safetensors reports I/O failures as its own type
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StorageError(f"could not write the artifact to {out_dir}: {reason}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
+def _check_schema(path: Path, config) -> dict:
+    """The parts of config.json that reading relies on, checked for type; returns quantization_config."""
+    where = path / CONFIG
+    if not isinstance(config, dict):
+        raise QuantkitError(f"{where}: expected a JSON object")
+    qcfg = config.get("quantization_config")
+    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "quantkit":
+        raise QuantkitError(f"{path} is not a quantkit artifact (no quantization_config with quant_method 'quantkit')")
+    files, modules = qcfg.get("files"), qcfg.get("modules")
+    if not isinstance(files, dict) or not files:
+        raise QuantkitError(f"{where}: quantization_config.files must map tensor file names to sha256 checksums")
+    for fname, sha in files.items():
+        if Path(fname).name != fname or not fname.endswith(".safetensors") or not isinstance(sha, str):
+            raise QuantkitError(f"{where}: bad quantization_config.files entry {fname!r}")
+    if not isinstance(modules, dict):
+        raise QuantkitError(f"{where}: quantization_config.modules must map module names to their format metadata")
+    for name, meta in modules.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("format"), str):
+            raise QuantkitError(f"{where}: quantization_config.modules[{name!r}] has no format")
+    return qcfg
+
+
 def read_config(path) -> dict:
+    """config.json of the artifact at `path`, checked against the headers of its tensor files (cheap:
+    headers only; see the module docstring). Raises QuantkitError naming the file at fault."""
     path = Path(path)
     try:
-        config = json.loads((path / CONFIG).read_text())
+        text = (path / CONFIG).read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise QuantkitError(f"{path} has no {CONFIG}: not a quantkit artifact") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuantkitError(f"{path / CONFIG}: unreadable ({exc})") from exc
+    try:
+        config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise QuantkitError(f"{path / CONFIG} is not valid JSON: {exc}") from exc
-    qcfg = config.get("quantization_config") or {}
-    if qcfg.get("quant_method") != "quantkit":
-        raise QuantkitError(f"{path} is not a quantkit artifact (no quantization_config with quant_method 'quantkit')")
+    qcfg = _check_schema(path, config)
+    expected = _config_digest(config)
+    for fname in sorted(qcfg["files"]):
+        fpath = path / fname
+        if not fpath.is_file():
+            raise QuantkitError(f"{fpath}: tensor file missing from the artifact")
+        header = read_header(fpath)
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict):
+            raise QuantkitError(f"{fpath}: malformed header metadata")
+        if CONFIG_KEY in meta and meta[CONFIG_KEY] != expected:
+            raise QuantkitError(f"{path / CONFIG} does not match {fname} (config edited, or files of two artifacts "
+                                "mixed); re-create the artifact")
+        if LAYOUT_KEY in meta and meta[LAYOUT_KEY] != _layout_digest(header, fpath):
+            raise QuantkitError(f"{fpath}: header altered (tensor names, dtypes, shapes or offsets); re-create the artifact")
     return config
 
 
@@ -156,14 +281,16 @@ def read_tensors(path, verify=True) -> dict:
     tensors = {}
     for fname, expected in sorted(qcfg["files"].items()):
         fpath = path / fname
-        if not fpath.is_file():
-            raise QuantkitError(f"{fpath}: tensor file missing from the artifact")
         if verify and file_digest(fpath) != expected:
             raise QuantkitError(f"{fpath}: checksum mismatch (file truncated or altered); re-create the artifact")
         try:
             with safe_open(str(fpath), framework="pt") as fh:
                 for name in fh.keys():
+                    if name in tensors:
+                        raise QuantkitError(f"{fpath}: tensor {name} also stored in another file")
                     tensors[name] = fh.get_tensor(name)
+        except QuantkitError:
+            raise
         except Exception as exc:
             raise QuantkitError(f"{fpath}: unreadable safetensors file ({exc})") from exc
     return tensors

@@ -1,4 +1,4 @@
-"""quantkit command line: quantize, eval ppl, bitfamily, inspect, fetch-model."""
+"""quantkit command line: quantize, eval ppl, generate, bitfamily, inspect, fetch-model."""
 
 import json
 import logging
@@ -109,13 +109,30 @@ def fetch_model(force):
 @click.option("--per-row/--no-per-row", default=None, help="ooc: choose the odd group per output row instead of per matrix [off].")
 @click.option("--impl", type=click.Choice(["batch", "naive"]), default=None,
               help="ooc: candidates batched (p-OOC-Batch) or one after another (p-OOC-Naive) [batch].")
+@click.option("--ensemble/--no-ensemble", default=None,
+              help="ooc: the two-flow OOC(h,l,p,s): also quantize with plain GPTQ(l), each flow with its own "
+                   "activations, and keep the one with the lower loss on held-out windows of --calib [off].")
+@click.option("--val-windows", type=int, default=None,
+              help="ooc --ensemble: held-out validation windows of --seqlen tokens [16].")
 @click.option("--seed-bits", type=int, default=None, help="anyprec: bits of the SqueezeLLM seed model [3].")
 @click.option("--parent-bits", type=int, default=None, help="anyprec: bits of the parent model, upscaled from the seed [8].")
 @click.option("--sensitivity", type=click.Choice(["activation", "fisher", "none"]), default=None,
               help="squeezellm/anyprec: k-means weight of each weight: diag of XᵀX of its input, Σ grad² of the LM "
                    "loss over the calibration windows (fisher, one whole-model backward per window), or none [activation].")
+@click.option("--upscale", type=click.Choice(["joint", "split"]), default=None,
+              help="anyprec: nested upscaling rule: split every cluster at its exact 2-means cut (paper), or joint: "
+                   "choose the nested partitions for the SSE of all widths at once (C++ path only) [joint].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted run from the layers recorded in OUT.partial/ (same settings required); "
+                   "the artifact is byte-identical to an uninterrupted run. Without a checkpoint: start afresh.")
+@click.option("--checkpoint/--no-checkpoint", default=True, show_default=True,
+              help="Record every finished layer in OUT.partial/ (removed on success). Disk: the quantized layers plus "
+                   "two sets of layer activations, nsamples*seqlen*hidden*dtype bytes each.")
+@click.option("--offload-activations", is_flag=True,
+              help="Keep the calibration activations in host memory and move one window at a time to the device: "
+                   "the device then holds about one layer (for models whose activations do not fit beside it).")
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
               help="Calibration dataset (train split).")
 @click.option("--nsamples", type=int, default=None,
@@ -133,8 +150,14 @@ def fetch_model(force):
 def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
              calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format,
              clip_search, low_bits=None, high_bits=None, clear_fraction=None, scan=None, per_row=None, impl=None,
-             seed_bits=None, parent_bits=None, sensitivity=None):
-    """Quantize a checkpoint into a quantkit artifact directory."""
+             seed_bits=None, parent_bits=None, sensitivity=None, upscale=None, ensemble=None, val_windows=None, resume=False,
+             checkpoint=True, offload_activations=False):
+    """Quantize a checkpoint into a quantkit artifact directory.
+
+    \b
+    Under torchrun (e.g. torchrun --standalone --nproc-per-node 2 -m quantkit quantize ...) the
+    calibration windows and the linears are split over the ranks (1, 2, 4 or 8), with the same
+    artifact as one process."""
     from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint
 
@@ -157,20 +180,49 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
     method_params = {}
     for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds",
                 "clip_search", "low_bits", "high_bits", "clear_fraction", "scan", "per_row", "impl", "seed_bits",
-                "parent_bits", "sensitivity"):
+                "parent_bits", "sensitivity", "upscale"):
         if key in accepted:
             if values[key] is not None:
                 method_params[key] = values[key]
         elif key in explicit:
             raise QuantkitError(f"--{key.replace('_', '-')} does not apply to --method {values['method']}")
-    summary = quantize_checkpoint(values["src"], values["out"], values["method"], method_params,
+    if values["val_windows"] is not None and not values["ensemble"]:
+        raise QuantkitError("--val-windows applies only with --ensemble")
+    summary = _run_quantize(values["out"], quantize_checkpoint, values["src"], values["out"], values["method"], method_params,
                                   calib=values["calib"], nsamples=values["nsamples"], seqlen=values["seqlen"],
                                   seed=values["seed"], device=values["device"], dtype=values["dtype"],
-                                  data_dir=values["data_dir"], overwrite=values["overwrite"], fmt=values["format"])
+                                  data_dir=values["data_dir"], overwrite=values["overwrite"], fmt=values["format"],
+                                  ensemble=bool(values["ensemble"]),
+                                  val_windows=16 if values["val_windows"] is None else values["val_windows"],
+                                  **_reliability_options(values))
     if values["json_path"]:
         _write_json(values["json_path"], summary)
+    for flow in summary.get("ensemble", {}).get("flows", []):
+        click.echo(f"flow {flow['flow']}: validation PPL {flow['validation_ppl']:.3f}"
+                   + ("  <- kept" if flow["chosen"] else ""))
     click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
                f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+def _reliability_options(values):
+    """The resume/checkpoint/offload keyword arguments of quantize_checkpoint."""
+    return {"resume": values["resume"], "checkpoint": values["checkpoint"],
+            "offload_activations": values["offload_activations"]}
+
+
+def _run_quantize(out, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with Ctrl-C reported as one line that says whether finished layers were
+    kept for --resume (the generic handler would say nothing was written)."""
+    from quantkit.engine.checkpoint import checkpoint_dir
+
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        partial = checkpoint_dir(out)
+        if partial.exists():
+            raise QuantkitError(f"interrupted; the finished layers are kept in {partial}: rerun with --resume to "
+                                "continue") from None
+        raise QuantkitError("interrupted; nothing was written") from None
 
 
 @main.command()
@@ -233,6 +285,61 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
     click.echo(_table(rows, ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]))
     if json_path:
         _write_json(json_path, results[0] if len(results) == 1 else {"results": results})
+
+
+@main.command()
+@click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
+              help="quantkit artifact, or a float checkpoint (HF dir, hub id, .gguf, 'smollm2') to compare; repeatable.")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Text to complete; repeat for a batch.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--greedy/--sample", default=True, show_default=True, help="Argmax decoding, or sampling.")
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="--sample: softmax temperature.")
+@click.option("--top-p", type=float, default=0.9, show_default=True, help="--sample: nucleus probability mass.")
+@click.option("--seed", type=int, default=0, show_default=True, help="--sample: random seed.")
+@click.option("--bits", type=int, default=None,
+              help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
+@click.option("--device", default=None, help="cpu or cuda [default: cuda if available]; on cuda the kernels serve.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write completions and timing as JSON.")
+def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, bits, device, dtype, no_verify,
+             json_path):
+    """Complete prompts with a model (KV cache on) and print the text and tokens/s.
+
+    Tokens/s here includes transformers' per-token Python work; for kernel-bound decode speed see
+    benchmarks/bench_e2e_decode.py (static cache + CUDA graphs).
+    """
+    from quantkit.models import resolve_source
+    from quantkit.pipeline import load_for_eval, resolve_device
+    from quantkit.runtime.generate import generate_text
+
+    device = resolve_device(device)
+    if bits is not None:  # refuse before spending time on the first model
+        floats = [src for src in models if resolve_source(src).kind != "artifact"]
+        if floats:
+            raise QuantkitError(f"--bits applies only to any-precision artifacts, not to {floats[0]}")
+    runs = []
+    for src in models:
+        model, tokenizer, source = load_for_eval(src, device, dtype, verify=not no_verify, bits=bits)
+        out = generate_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=greedy,
+                            temperature=temperature, top_p=top_p, seed=seed)
+        served = "" if bits is None else f" @{bits}b"
+        click.echo(f"== {source.display}{served} ({source.kind}, {device})")
+        for prompt, completion in zip(prompts, out["completions"]):
+            click.echo(f"{prompt}{completion}")
+            click.echo("--")
+        click.echo(f"{sum(out['new_tokens'])} new tokens in {out['seconds']:.2f} s: {out['tokens_per_s']:.1f} tokens/s, "
+                   f"{out['ms_per_step']:.1f} ms per decoding step")
+        runs.append({"model": source.display, "model_kind": source.kind, "device": device,
+                     "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                     "decoding": {"greedy": greedy, **({} if greedy else
+                                                       {"temperature": temperature, "top_p": top_p, "seed": seed})},
+                     "max_new_tokens": max_new_tokens, **({} if bits is None else {"served_bits": bits}),
+                     "prompts": list(prompts), **out})
+        del model
+    if json_path:
+        _write_json(json_path, runs[0] if len(runs) == 1 else {"runs": runs})
 
 
 @main.command()

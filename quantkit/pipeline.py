@@ -11,7 +11,7 @@ from quantkit import __version__
 from quantkit.artifact import float_tensors, write_artifact
 from quantkit.data import calibration_windows, eval_tokens
 from quantkit.engine import quantize_model
-from quantkit.errors import QuantkitError
+from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, load_model, load_tokenizer, resolve_source
@@ -70,26 +70,192 @@ def convert_qtensors(qtensors: dict, fmt: str) -> dict:
     return out
 
 
+def check_finite_weights(model):
+    """Refuse a model with NaN/Inf in any parameter before any work is done (names the tensor)."""
+    for name, param in model.named_parameters():
+        bad = (~torch.isfinite(param)).sum().item() if param.is_floating_point() else 0
+        if bad:
+            raise QuantkitError(f"model tensor {name} contains {bad} NaN/Inf values; the checkpoint is damaged")
+
+
+def _weight_files_signature(source):
+    """(name, size, mtime) of the source's weight files: cheap evidence that the model is unchanged."""
+    if source.kind == "gguf":
+        paths = [Path(source.path) / source.gguf_file]
+    elif source.kind == "hf_dir":
+        paths = sorted(p for p in Path(source.path).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    else:
+        return []
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def run_fingerprint(source, model, quantizer, calib_ids, device, dtype) -> dict:
+    """Everything that decides the quantized tensors; a checkpoint resumes only under an equal one."""
+    import hashlib
+    import json
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    calib = None
+    if calib_ids is not None:
+        calib = hashlib.sha256(calib_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+        calib = f"{tuple(calib_ids.shape)} {calib}"
+    return {"quantkit_version": __version__, "model": source.display, "model_files": _weight_files_signature(source),
+            "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+            "method": quantizer.name, "settings": quantizer.config(), "calibration_windows": calib,
+            "device_type": torch.device(device).type, "dtype": str(dtype).replace("torch.", "")}
+
+
+class _Job:
+    """The reliability side of one quantize run: the ranks of a torchrun job, the layer checkpoint
+    next to the output, and what is left behind when something fails.
+
+    On failure the checkpoint is kept only where continuing makes sense — an interruption, a full
+    disk, running out of memory (KeyboardInterrupt, OSError, OOM) — and the error says so; errors
+    in the input itself (NaN, a Hessian that cannot be factored) remove it, as resuming would only
+    meet them again."""
+
+    def __init__(self, out, device, *, resume, checkpoint, offload_activations, overwrite):
+        from quantkit.engine.distributed import init_from_env
+
+        self.out = Path(out)
+        self.ranks = init_from_env(device)
+        self.device = self.ranks.device if self.ranks.distributed else device
+        self.resume = resume
+        self.use_checkpoint = checkpoint
+        self.offload = offload_activations
+        self.overwrite = overwrite
+        self.fingerprint = None
+        self.checkpoint = None
+
+    def check_settings(self, quantizer, nsamples, ensemble):
+        world = self.ranks.world_size
+        if ensemble and self.resume:
+            raise QuantkitError("--resume is not available with --ensemble (its two flows are not checkpointed)")
+        if ensemble:
+            self.use_checkpoint = False
+        if world > 1 and ensemble:
+            raise QuantkitError("--ensemble runs in one process; launch it without torchrun")
+        if world > 1 and "fisher" in quantizer.stats:
+            raise QuantkitError("--sensitivity fisher runs in one process; launch it without torchrun or use activation")
+        if world > 1 and nsamples and nsamples < world:
+            raise QuantkitError(f"--nsamples {nsamples} is below the number of ranks ({world}); every rank needs a window")
+
+    def summary(self) -> dict:
+        out = {"world_size": self.ranks.world_size, "offload_activations": self.offload}
+        if self.checkpoint is not None and self.checkpoint.resumed_from:
+            out["resumed_at_layer"] = self.checkpoint.resumed_from
+        return out
+
+    def _hint(self):
+        done = self.checkpoint.layers_done if self.checkpoint is not None else 0
+        if not done:
+            return ""
+        return f"; {done} finished layers are kept in {self.checkpoint.dir}: rerun with --resume to continue"
+
+    def _drop_checkpoint(self):
+        if self.checkpoint is not None:
+            import shutil
+
+            if self.ranks.is_main:
+                shutil.rmtree(self.checkpoint.dir, ignore_errors=True)
+            self.checkpoint = None
+
+    def _fail(self, exc, writing=False):
+        """The exception to raise for `exc`, after deciding whether the checkpoint stays: kept (and
+        named in the message) when something was saved and continuing can help; removed otherwise."""
+        if self.checkpoint is not None and not self.checkpoint.layers_done:
+            self._drop_checkpoint()
+        if isinstance(exc, torch.OutOfMemoryError):
+            return QuantkitError(f"out of memory on {self.device}: try --offload-activations, fewer --nsamples or a "
+                                 f"shorter --seqlen{self._hint()}")
+        if isinstance(exc, QuantkitError) and not writing and not isinstance(exc, (StorageError, CheckpointError)):
+            self._drop_checkpoint()  # the input itself is at fault: resuming would meet it again
+            return exc
+        if isinstance(exc, QuantkitError) and self._hint():
+            return type(exc)(f"{exc}{self._hint()}")
+        return exc  # an interruption or a bug: the checkpoint stays for a later --resume
+
+    def quantize(self, model, adapter, quantizer, calib_ids, module_stats, progress):
+        from quantkit.engine.checkpoint import LayerCheckpoint
+
+        if self.use_checkpoint:
+            nwindows = 0 if calib_ids is None else calib_ids.shape[0]
+            self.checkpoint = LayerCheckpoint(self.out, self.fingerprint, self.ranks, nwindows)
+            self.checkpoint.prepare(self.resume, self.overwrite)
+            if self.resume and self.checkpoint.layers_done:
+                log.warning("resuming after %d finished layers from %s", self.checkpoint.layers_done, self.checkpoint.dir)
+        try:
+            return quantize_model(model, adapter, quantizer, calib_ids, device=self.device, progress=progress,
+                                  module_stats=module_stats, checkpoint=self.checkpoint,
+                                  offload_activations=self.offload, ranks=self.ranks)
+        except BaseException as exc:
+            failure = self._fail(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def write(self, write_fn):
+        """write_fn() on rank 0 (the artifact), then drop the checkpoint; every rank learns the outcome."""
+        from quantkit.engine.distributed import shutdown
+
+        failure = None
+        try:
+            if self.ranks.is_main:
+                try:
+                    write_fn()
+                except BaseException as exc:
+                    failure = exc
+            if not self.ranks.all_ok(failure is None) and failure is None:
+                failure = QuantkitError("rank 0 could not write the artifact")
+            if failure is not None:
+                mapped = self._fail(failure, writing=True)
+                if mapped is failure:
+                    raise failure
+                raise mapped from failure
+            if self.checkpoint is not None:
+                self.checkpoint.remove()
+        finally:
+            shutdown(self.ranks)
+
+
 def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples=None, seqlen=2048, seed=0,
-                        device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None):
-    """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict."""
+                        device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None,
+                        ensemble=False, val_windows=16, resume=False, checkpoint=True, offload_activations=False):
+    """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict.
+    checkpoint: record every finished layer in <out>.partial/ (engine/checkpoint.py) so that a killed
+    run continues with resume=True, writing the artifact an uninterrupted run would have written.
+    offload_activations: keep the calibration activations in host memory (engine/driver.py).
+    Under torchrun (WORLD_SIZE > 1) the work is split over the ranks (engine/distributed.py) with the
+    same result; rank 0 writes.
+    ensemble (ooc only): the two-flow OOC(h,l,p,s), choosing GPTQ(l) or GPTQ(h,l,p,s) by the loss on
+    `val_windows` held-out windows of the calibration dataset (quantkit/ensemble.py)."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    job = _Job(out, device, resume=resume, checkpoint=checkpoint, offload_activations=offload_activations,
+               overwrite=overwrite)
+    device = job.device
     quantizer = make_method(method, **method_params)
     fmt = output_format(quantizer, fmt)
     if nsamples is None:
         nsamples = 128 if quantizer.stats else 0
     if quantizer.stats and nsamples < 1:
         raise QuantkitError(f"--method {method} needs calibration data: --nsamples must be >= 1")
+    if ensemble and method != "ooc":
+        raise QuantkitError(f"--ensemble is the two-flow OOC scheme: it needs --method ooc, not {method}")
+    if ensemble and (not isinstance(val_windows, int) or val_windows < 1):
+        raise QuantkitError(f"--val-windows must be a positive integer, got {val_windows}")
+    job.check_settings(quantizer, nsamples, ensemble)
     torch.manual_seed(seed)
 
     source = resolve_source(src)
     tokenizer = load_tokenizer(source)
     model = load_model(source, dtype=torch_dtype)
     adapter = adapter_for(model.config)
+    check_finite_weights(model)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if nsamples and max_positions and seqlen > max_positions:
         raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
@@ -100,24 +266,29 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
 
     module_stats, sensitivity_seconds = None, None
     if "fisher" in quantizer.stats:  # whole-model squared gradients, before any layer is quantized
-        from quantkit.engine.fisher import fisher_sensitivity
+        from quantkit.engine.fisher import fisher_module_stats
 
-        start = time.perf_counter()
-        names = {f"{adapter.layers_path}.{i}.{n}" for i, layer in enumerate(adapter.layers(model))
-                 for n in adapter.linears(layer)}
-        model.to(device)
-        fisher = fisher_sensitivity(model, calib_ids, names=names, device=device)
-        model.to("cpu")
-        module_stats = {name: {"fisher": value.to("cpu")} for name, value in fisher.items()}
-        sensitivity_seconds = round(time.perf_counter() - start, 2)
-        del fisher
+        module_stats, sensitivity_seconds = fisher_module_stats(model, adapter, calib_ids, device)
 
+    ensemble_report = None
     start = time.perf_counter()
-    qtensors, entries = quantize_model(model, adapter, quantizer, calib_ids, device=device, progress=progress,
-                                       module_stats=module_stats)
+    if ensemble:
+        from quantkit.data import validation_windows
+        from quantkit.ensemble import ooc_flows, run_flows
+
+        val_ids, val_protocol = validation_windows(calib, tokenizer, val_windows, seqlen, data_dir)
+        _, flows, qtensors, entries = run_flows(model, adapter, ooc_flows(quantizer), calib_ids, val_ids, device,
+                                                progress, module_stats)
+        ensemble_report = {"flows": flows, "validation": val_protocol}
+    else:
+        job.fingerprint = run_fingerprint(source, model, quantizer, calib_ids, device, torch_dtype)
+        qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress)
     elapsed = time.perf_counter() - start
 
     quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
+    if ensemble_report is not None:
+        quant_config["ensemble"] = {"chosen": next(f["flow"] for f in ensemble_report["flows"] if f["chosen"]),
+                                    "flows": [f["flow"] for f in ensemble_report["flows"]]}
     if fmt != "uniform":  # bcq; from rtn/gptq the engine kept the uniform weights (z differs by fp16 rounding)
         qtensors = convert_qtensors(qtensors, fmt)
         quant_config["format"] = fmt
@@ -125,14 +296,16 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
                "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
                "quantize_seconds": round(elapsed, 2), "modules_quantized": len(qtensors),
                **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
+               **({} if ensemble_report is None else {"ensemble": ensemble_report}),
+               **job.summary(),
                "quantkit_version": __version__, "torch": torch.__version__, "host": platform.node()}
     quant_log = {**summary, "modules": entries}
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["use_cache"] = True
-    write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
-                   float_tensors=float_tensors(model, qtensors), quantization_config=quant_config,
-                   quant_log=quant_log, overwrite=overwrite)
+    job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
+                                     float_tensors=float_tensors(model, qtensors), quantization_config=quant_config,
+                                     quant_log=quant_log, overwrite=overwrite))
     summary["out"] = str(out)
     return summary
 

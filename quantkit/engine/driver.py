@@ -7,7 +7,17 @@ its weight. With calibration the engine:
      the layer with hooks that gather statistics, quantizes the group's linears and puts their
      dequantized weights back;
   3. runs the quantized layer once more to produce the next layer's inputs, then moves it back.
-Peak device memory is about one decoder layer plus the calibration activations.
+
+Memory: the device holds one decoder layer, the statistics of one group (a few d×d fp32 buffers),
+one window's intermediate activations, and the calibration activations: the layer's inputs and
+outputs, 2 · nsamples · seqlen · hidden values of the model dtype. With `offload_activations` those
+stay in host memory and travel to the device one window at a time (slower, and the device then
+holds about one layer plus the statistics). The host holds the model once (weights are replaced in
+place by their dequantized values) plus the packed quantized tensors.
+
+Options: `checkpoint` (engine.checkpoint) records every finished layer and resumes after the last
+one recorded; `ranks` (engine.distributed) splits windows and linears over a torchrun job with the
+same result as one process.
 """
 
 import logging
@@ -16,6 +26,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from quantkit.engine.distributed import LOCAL
 from quantkit.engine.stats import InputGramCollector, output_error
 from quantkit.errors import QuantkitError
 
@@ -29,13 +40,15 @@ class _StopForward(Exception):
 class _InputCatcher(torch.nn.Module):
     """Stands in for layer 0, records its inputs and aborts the forward pass."""
 
-    def __init__(self, layer, sink):
+    def __init__(self, layer, sink, store=None):
         super().__init__()
         self.layer = layer
         self.sink = sink
+        self.store = store
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.sink.append((hidden_states, args, kwargs))
+        kept = hidden_states if self.store is None else hidden_states.to(self.store)
+        self.sink.append((kept, args, kwargs))
         raise _StopForward
 
     def __getattr__(self, name):  # models may read attributes of their layers (e.g. attention_type)
@@ -58,12 +71,13 @@ def _move_outside(module, skip, device):
 
 
 @torch.no_grad()
-def capture_layer_inputs(model, layers, calib_ids, device):
-    """Run the model up to its first decoder layer; returns (inputs [n, T, h], args, kwargs)."""
+def capture_layer_inputs(model, layers, calib_ids, device, store=None):
+    """Run the model up to its first decoder layer; returns (inputs [n, T, h], args, kwargs).
+    `store`: where the inputs are kept (default: `device`)."""
     _move_outside(model, layers, device)
     sink = []
     original = layers[0]
-    layers[0] = _InputCatcher(original, sink)
+    layers[0] = _InputCatcher(original, sink, store)
     try:
         for row in calib_ids:
             try:
@@ -79,11 +93,15 @@ def capture_layer_inputs(model, layers, calib_ids, device):
     return inputs, args, kwargs
 
 
-def _run_layer(layer, inputs, args, kwargs):
-    outputs = torch.empty_like(inputs)
+def _run_layer(layer, inputs, args, kwargs, keep_outputs=True):
+    """Run `layer` on every window of `inputs` (one per forward, on the layer's device); returns the
+    outputs where the inputs live, or None when only the hooks matter."""
+    device = next(layer.parameters()).device
+    outputs = torch.empty_like(inputs) if keep_outputs else None
     for i in range(inputs.shape[0]):
-        out = layer(inputs[i : i + 1], *args, **kwargs)
-        outputs[i] = out[0] if isinstance(out, (tuple, list)) else out
+        out = layer(inputs[i : i + 1].to(device), *args, **kwargs)
+        if keep_outputs:
+            outputs[i] = out[0] if isinstance(out, (tuple, list)) else out
     return outputs
 
 
@@ -104,48 +122,116 @@ def _quantize_linear(method, name, linear, stats, device):
     return qtensor.to("cpu"), entry
 
 
+def _quantize_shared(ranks, owner, method, name, linear, stats, device):
+    """_quantize_linear on the owning rank; the others receive its tensors and log entry and put the
+    same dequantized weight back. Any failure on the owner is raised on every rank."""
+    if not ranks.distributed:
+        return _quantize_linear(method, name, linear, stats, device)
+    from quantkit.formats.base import quantized_tensor_from_state_dict
+
+    header, qtensor, failure = None, None, None
+    if ranks.rank == owner:
+        try:
+            qtensor, entry = _quantize_linear(method, name, linear, stats, device)
+            tensors = qtensor.state_dict()
+            spec = [[k, str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()]
+            header = {"meta": qtensor.meta(), "entry": entry, "spec": spec}
+        except Exception as exc:  # tell the other ranks before failing, or they wait forever
+            failure = exc
+            header = {"error": str(exc) if isinstance(exc, QuantkitError) else f"{type(exc).__name__}: {exc}"}
+    header = ranks.broadcast_json(header, src=owner)
+    if "error" in header:
+        if failure is not None:
+            raise failure
+        raise QuantkitError(f"rank {owner} failed on {name}: {header['error']}")
+    tensors = ranks.broadcast_tensors(qtensor.state_dict() if qtensor is not None else None, header["spec"], owner)
+    if qtensor is None:
+        qtensor = quantized_tensor_from_state_dict(header["meta"], tensors)
+        dequant = qtensor.to(device).dequantize(torch.float32)
+        linear.weight.data = dequant.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    return qtensor, header["entry"]
+
+
 @torch.no_grad()
-def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None):
+def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None, *,
+                   checkpoint=None, offload_activations=False, ranks=None):
     """Quantize every adapter linear of `model` in place (weights replaced by their dequantized
     values). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
     ({module name: {key: tensor}}, e.g. the whole-model Fisher diagonal) is merged into the
-    statistics of that module."""
+    statistics of that module. `checkpoint`: a prepared engine.checkpoint.LayerCheckpoint; layers
+    it has recorded are restored, not recomputed. `offload_activations`: keep the calibration
+    activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone)."""
+    ranks = ranks or LOCAL
     layers = adapter.layers(model)
     needs_stats = bool(method.stats)
     if needs_stats and calib_ids is None:
         raise QuantkitError(f"--method {method.name} needs calibration data (--nsamples > 0)")
     qtensors, log_entries = {}, []
+    first = 0
+    if checkpoint is not None:
+        qtensors, log_entries = checkpoint.restore()
+        first = checkpoint.layers_done
     prefix = adapter.layers_path
+    per_layer = len(adapter.linear_names())
+    show = progress and ranks.is_main
+    todo = range(first, len(layers))
+
+    def finish_layer(index, layer_q, layer_entries, next_inputs=None, window_start=0):
+        qtensors.update(layer_q)
+        log_entries.extend(layer_entries)
+        if checkpoint is not None:
+            checkpoint.commit(index, layer_q, layer_entries, next_inputs, window_start)
 
     if calib_ids is None:
-        for index, layer in enumerate(tqdm(layers, desc="quantize", unit="layer", disable=not progress)):
-            for name, linear in adapter.linears(layer).items():
+        for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
+            layer_q, layer_entries = {}, []
+            for position, (name, linear) in enumerate(adapter.linears(layers[index]).items()):
                 full = f"{prefix}.{index}.{name}"
-                qtensors[full], entry = _quantize_linear(method, full, linear, None, device)
-                log_entries.append(entry)
+                owner = ranks.owner(index * per_layer + position)
+                layer_q[full], entry = _quantize_shared(ranks, owner, method, full, linear, None, device)
+                layer_entries.append(entry)
+            finish_layer(index, layer_q, layer_entries)
         return qtensors, log_entries
 
-    inputs, args, kwargs = capture_layer_inputs(model, layers, calib_ids, device)
-    for index, layer in enumerate(tqdm(layers, desc="quantize", unit="layer", disable=not progress)):
+    nwindows = calib_ids.shape[0]
+    start, stop = ranks.window_range(nwindows)
+    store = "cpu" if offload_activations else device
+    if first == 0:
+        inputs, args, kwargs = capture_layer_inputs(model, layers, calib_ids[start:stop], device, store)
+    elif first < len(layers):
+        # the call kwargs (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
+        _, args, kwargs = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
+        inputs = checkpoint.load_inputs(start, stop).to(store)
+    shard_sizes = ranks.local_shard_sizes(nwindows)
+    for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
+        layer = layers[index]
         layer.to(device)
         linears = adapter.linears(layer)
+        layer_q, layer_entries = {}, []
+        position = 0
         for group in adapter.sequential_groups:
             # the linears of a group read the same input, so one collector serves them all
-            collector = InputGramCollector(linears[group[0]])
+            collector = InputGramCollector(linears[group[0]], shard_sizes, eager=ranks.is_main)
             try:
-                _run_layer(layer, inputs, args, kwargs)
+                _run_layer(layer, inputs, args, kwargs, keep_outputs=False)
             finally:
                 collector.remove()
-            stats = collector.stats()
+            stats = collector.stats(ranks)
+            del collector
             if not torch.isfinite(stats["xtx"]).all():
                 raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN or Inf")
             for name in group:
                 full = f"{prefix}.{index}.{name}"
                 extra = (module_stats or {}).get(full)
                 module_in = stats if extra is None else {**stats, **extra}
-                qtensors[full], entry = _quantize_linear(method, full, linears[name], module_in, device)
-                log_entries.append(entry)
-            del collector, stats
-        inputs = _run_layer(layer, inputs, args, kwargs)
+                owner = ranks.owner(index * per_layer + position)
+                layer_q[full], entry = _quantize_shared(ranks, owner, method, full, linears[name], module_in, device)
+                layer_entries.append(entry)
+                position += 1
+            del stats
+        last = index == len(layers) - 1
+        if not last:  # the last layer's outputs feed nothing that is quantized
+            inputs = _run_layer(layer, inputs, args, kwargs)
         layer.to("cpu")
+        finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
     return qtensors, log_entries

@@ -1,13 +1,24 @@
 """Diagonal Fisher sensitivity (SqueezeLLM): F[W] = Σ over calibration windows of (∂loss/∂W)²,
 the squared gradient of the LM loss of each window w.r.t. each linear weight, accumulated in fp32.
 
-One window per backward pass; a post-accumulate-grad hook squares each weight's gradient into its
+One window per backward pass (the empirical Fisher squares per-sample gradients; a batch would
+square their sum); a post-accumulate-grad hook squares each weight's gradient into its
 accumulator as soon as autograd produces it and frees the gradient, so besides the accumulators
 (one fp32 copy of the selected weights) at most about one layer's gradients are alive at a time.
 Only the selected weights require grad, so no other parameter gradient is ever materialised.
+
+The forward/backward can run on a copy of the model in another dtype (`compute_dtype`): on a
+CPU with bf16 matrix units a bf16 copy with eager attention is ~2.8× faster than fp32 (SmolLM2,
+512 tokens: 1.42 vs 4.0 s per window on 2 cores) and the sensitivities are only k-means weights;
+the model's own weights are never modified.
 """
 
+import copy
+import time
+
 import torch
+
+CPU_DEFAULT_DTYPE = torch.bfloat16
 
 
 def fisher_sensitivity(model, calib_ids, names=None, device=None):
@@ -45,3 +56,28 @@ def fisher_sensitivity(model, calib_ids, names=None, device=None):
             p.grad = None
         model.train(was_training)
     return acc
+
+
+def fisher_module_stats(model, adapter, calib_ids, device, compute_dtype=None):
+    """({module name: {"fisher": cpu fp32 tensor}} for every quantized linear, seconds).
+    compute_dtype: dtype of the forward/backward (default bf16 on CPU, the model's own on CUDA);
+    a different dtype runs on a temporary copy, so the model itself is left untouched."""
+    start = time.perf_counter()
+    if compute_dtype is None and not str(device).startswith("cuda"):
+        compute_dtype = CPU_DEFAULT_DTYPE
+    names = {f"{adapter.layers_path}.{i}.{n}" for i, layer in enumerate(adapter.layers(model))
+             for n in adapter.linears(layer)}
+    own_dtype = next(model.parameters()).dtype
+    if compute_dtype is None or compute_dtype == own_dtype:
+        work, original_device = model, next(model.parameters()).device
+    else:
+        work, original_device = copy.deepcopy(model).to(compute_dtype), None
+        if not str(device).startswith("cuda"):
+            work.config._attn_implementation = "eager"  # CPU sdpa backward is the slow part at these lengths
+    work.to(device)
+    fisher = fisher_sensitivity(work, calib_ids, names=names, device=device)
+    stats = {name: {"fisher": value.to("cpu")} for name, value in fisher.items()}
+    if original_device is not None:
+        work.to(original_device)
+    del work, fisher
+    return stats, round(time.perf_counter() - start, 2)

@@ -8,28 +8,74 @@ class InputGramCollector:
 
     GPTQ's Hessian is H = 2·Σ xᵀx / nsamples (nsamples = calibration windows, as in the reference).
     The same sum gives each module's output reconstruction error tr(ΔW·Σxᵀx·ΔWᵀ) without storing X.
+
+    The sum is taken in the canonical order of engine.distributed (so that any number of ranks gives
+    the same bits): the windows this process sees form consecutive shards of `shard_sizes` windows;
+    each shard is summed from zero, and shards are folded onto a zero total in order (`eager`, rank 0
+    and single runs) or kept for the cross-rank chain (`eager=False`). The engine feeds one window
+    per forward pass, so each hook call is one window. Without `shard_sizes` every window is one
+    shard of an unbounded run (the plain running sum, for callers outside the engine).
     """
 
-    def __init__(self, module: torch.nn.Linear):
+    def __init__(self, module: torch.nn.Linear, shard_sizes=None, eager=True):
         d = module.in_features
-        self.xtx = torch.zeros(d, d, dtype=torch.float32, device=module.weight.device)
+        device = module.weight.device
+        self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
+        self.eager = eager
+        self.total = torch.zeros(d, d, dtype=torch.float32, device=device) if eager else None
+        self.parts = []
+        self.current = torch.zeros(d, d, dtype=torch.float32, device=device)
+        self.shard = 0  # index into shard_sizes
+        self.in_shard = 0  # windows already in `current`
         self.nsamples = 0
         self.ntokens = 0
         self.handle = module.register_forward_hook(self._hook)
+
+    @property
+    def xtx(self):
+        """The local sum so far (single-process use: the folded shards plus the open one)."""
+        if self.shard_sizes is None:
+            return self.current
+        return self.total if self.in_shard == 0 else self.total + self.current
 
     def _hook(self, module, inputs, output):
         x = inputs[0].detach()
         batch = x.shape[0] if x.dim() > 2 else 1
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        self.xtx.addmm_(x.t(), x)
+        self.current.addmm_(x.t(), x)
         self.nsamples += batch
         self.ntokens += x.shape[0]
+        if self.shard_sizes is None:
+            return
+        self.in_shard += batch
+        if self.in_shard >= self.shard_sizes[self.shard]:
+            if self.in_shard > self.shard_sizes[self.shard]:
+                raise RuntimeError("a forward batch crossed a shard boundary; feed one window per forward")
+            self._close_shard()
+
+    def _close_shard(self):
+        if self.eager:
+            self.total.add_(self.current)
+            self.current.zero_()
+        else:
+            self.parts.append(self.current)
+            self.current = torch.zeros_like(self.current)
+        self.shard += 1
+        self.in_shard = 0
 
     def remove(self):
         self.handle.remove()
 
-    def stats(self) -> dict:
-        return {"xtx": self.xtx, "nsamples": self.nsamples, "ntokens": self.ntokens}
+    def stats(self, ranks=None) -> dict:
+        """{"xtx", "nsamples", "ntokens"}; with `ranks`, the canonical total over all ranks."""
+        if self.shard_sizes is None or ranks is None:
+            return {"xtx": self.xtx, "nsamples": self.nsamples, "ntokens": self.ntokens}
+        if self.shard != len(self.shard_sizes) or self.in_shard:
+            raise RuntimeError(f"collector saw {self.shard} of {len(self.shard_sizes)} shards; a window is missing")
+        self.current = None  # free the open-shard buffer before the cross-rank chain
+        xtx = ranks.ordered_sum(self.total, self.parts)
+        self.parts = []
+        return {"xtx": xtx, "nsamples": ranks.sum_int(self.nsamples), "ntokens": ranks.sum_int(self.ntokens)}
 
 
 def output_error(delta_w: torch.Tensor, stats: dict) -> float:

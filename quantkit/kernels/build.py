@@ -5,6 +5,11 @@ torch.utils.cpp_extension.load into ~/.cache/quantkit/kernels/<name>-<source has
 with QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an unchanged one
 compiles once per machine. It returns None, with one warning saying why, when CUDA is absent,
 QUANTKIT_NO_KERNELS=1 is set, or the build fails: the caller then uses its PyTorch path.
+
+`load_cpu("anyprec_cpu")` does the same for a CPU-only C++ source csrc/<name>.cpp (OpenMP, no CUDA
+needed), cached under <name>-cpu-<hash>. It is built with plain -O3 (no -march=native, so a build
+cached on one CPU still runs on another) and returns None, warned once, on failure or with
+QUANTKIT_NO_KERNELS=1.
 """
 
 import hashlib
@@ -71,4 +76,39 @@ def load(name, verbose=False):
         warnings.warn(f"quantkit kernel {name!r} {_failures[name]}; using the PyTorch path")
         module = None
     _loaded[name] = module
+    return module
+
+
+CPU_CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]  # no FP traps are used: lets the division loops vectorise
+CPU_LDFLAGS = ["-fopenmp"]
+
+
+def load_cpu(name, verbose=False):
+    """The compiled CPU extension csrc/<name>.cpp, or None (warned once) when it cannot be built."""
+    key = f"{name}:cpu"
+    if key in _loaded:
+        return _loaded[key]
+    source = CSRC / f"{name}.cpp"
+    if os.environ.get("QUANTKIT_NO_KERNELS") == "1":
+        _loaded[key] = None
+        return None
+    if not source.exists():
+        _failures[key] = f"no source {source}"
+        warnings.warn(f"quantkit CPU extension {name!r} unavailable ({_failures[key]}); using the PyTorch path")
+        _loaded[key] = None
+        return None
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(CPU_CFLAGS + CPU_LDFLAGS + [torch.__version__]).encode())
+    build_dir = cache_root() / f"{name}-cpu-{digest.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:
+        module = load_extension(name=f"quantkit_{name}", sources=[str(source)], build_directory=str(build_dir),
+                                extra_cflags=CPU_CFLAGS, extra_ldflags=CPU_LDFLAGS, verbose=verbose)
+    except Exception as exc:  # a compiler error must not take the run down: fall back and say so
+        _failures[key] = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        warnings.warn(f"quantkit CPU extension {name!r} {_failures[key]}; using the PyTorch path")
+        module = None
+    _loaded[key] = module
     return module

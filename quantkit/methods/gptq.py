@@ -24,6 +24,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
+from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,11 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     codes = torch.empty(k, d, dtype=torch.int64, device=w.device)
     loss = torch.zeros((), dtype=w.dtype, device=w.device)
 
-    for i1 in range(0, d, block_size):
+    # issue 7 (k-OOC kernel): on CUDA the fused kernel runs this column loop (kernels/gptq_cuda.py);
+    # None = not available, run the PyTorch loop below (the reference)
+    fused = gptq_cuda.gptq_columns(w, h_inv, bits, g, sym, scales, zeros, codes, block_size,
+                                   col_group if static_groups else None, clip_search) if w.is_cuda else None
+    for i1 in range(0, d, block_size) if fused is None else ():
         i2 = min(i1 + block_size, d)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
@@ -111,6 +116,8 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
             err1[:, i] = e
         loss += err1.pow(2).sum() / 2  # the OBS losses (w - q)²/U_ii² / 2 of this block
         w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
+    if fused is not None:
+        loss = fused
 
     g_idx = None
     if perm is not None:

@@ -40,6 +40,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats.ooc import OOCQuantizedTensor
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, uniform_params
+from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, check_group_size, effective_group_size, register_method
 from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
 
@@ -79,6 +80,11 @@ def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128):
     [c, k, G] of the low tier, hscales and hzeros [c, k] of the high tier, dequantized weight [c, k, d]).
     A candidate with an empty mask is exactly gptq_quantize's GPTQ(l) (act_order/static groups off).
     """
+    # issue 7 (k-OOC kernel): on CUDA the fused kernel runs the candidates, forking them from a shared
+    # GPTQ(l) run and chunking them by free memory (kernels/gptq_cuda.py); None = run the loop below
+    fused = gptq_cuda.ooc_columns(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size) if w.is_cuda else None
+    if fused is not None:
+        return fused
     c, k, d = w.shape
     w = w.clone()
     groups = num_groups(d, g)

@@ -1,0 +1,169 @@
+"""Any-precision QuantLinear on CUDA: the bitplane matvec kernel (csrc/anyprec.cu) for small
+batches, dequantize + cuBLAS for large ones, any stored bit-width from the same buffers.
+
+`forward(module, x)` is registered for format "anyprec" (quantkit.kernels.dispatch). It serves
+`module.bits` (None = the parent width) as read at each call, so `QuantLinear.set_bits(k)`
+switches the width at run time without a reload; the kernel reads the top k planes of the parent.
+
+Two paths, chosen by the number of rows of x (all leading dims flattened):
+  rows <= MATVEC_MAX_ROWS[...]: the matvec kernel, 8 rows per launch (the mma's N). It reads the
+      planes in the kernel layout (`kernel_layout`, made once per device and cached on the module:
+      one extra copy of the planes, n bits per weight);
+  more rows, or fp32 input: the dequantize kernel writes the k-bit weight in x.dtype, then F.linear
+      (cuBLAS). With module.cache_weight the weight is kept under QuantLinear's cache key
+      (device, dtype, bits), as the reference path does.
+The thresholds were measured with benchmarks/bench_anyprec_kernel.py on an H100 (see MATVEC_MAX_ROWS).
+
+Functions here take plain tensors so tests and benchmarks can call each variant directly.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.kernels import build
+from quantkit.kernels.dispatch import register
+
+FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
+ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
+MAX_BATCH = 8  # rows of x per matvec launch
+
+# Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
+# dequantize + cuBLAS takes over: "cached" when QuantLinear already holds the dequantized weight
+# for this (device, dtype, bits) (then only cuBLAS runs), "uncached" when it would have to be made.
+# Measured (bench_anyprec_kernel.py switch-point table, 4-bit, H100, 2026-11-22): the kernel still wins
+# up to 8 rows against a cached fp16 weight and up to 16 (11008x4096) / 24 (28672x8192) rows against
+# dequantize + cuBLAS; the smaller of each pair is kept.
+MATVEC_MAX_ROWS = {"cached": 8, "uncached": 16}
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pi(q):
+    """Natural column (within a 32-column word) of slot position q in the kernel layout."""
+    return ((q >> 3) & 1) + 2 * ((q >> 2) & 1) + 4 * (q & 1) + 8 * ((q >> 1) & 1) + 16 * ((q >> 4) & 1)
+
+
+def kernel_layout(planes: torch.Tensor) -> torch.Tensor:
+    """The planes as the kernel's LAYOUT flag reads them: int32 [n, M, ceil(W/4)*4].
+
+    Bit s of plane p's word w holds natural bit pi((s - p) mod 32) of the same word (pi as in
+    anyprec.cu: pairs of adjacent columns share an fp16x2 register, a k-tile's 4 columns are
+    contiguous in x; the rotation by p lets the kernel merge planes without shifts). Words are
+    padded with zeros to a multiple of 4 for 16-byte loads. The same copy serves every width.
+    """
+    n, rows, words = planes.shape
+    padded = -(-words // 4) * 4
+    out = torch.zeros(n, rows, padded, dtype=torch.int32, device=planes.device)
+    for p in range(n):
+        # group the 32 bit moves of this plane by shift distance: one masked shift per distance
+        moves = {}
+        for s in range(32):
+            t = _pi((s - p) % 32)
+            moves[s - t] = moves.get(s - t, 0) | (1 << t)
+        src = planes[p].to(torch.int64) & 0xFFFFFFFF
+        dst = torch.zeros_like(src)
+        for shift, mask in moves.items():
+            part = src & mask
+            dst |= (part << shift) if shift >= 0 else (part >> -shift)
+        out[p, :, :words] = torch.where(dst >= 2**31, dst - 2**32, dst).to(torch.int32)
+    return out
+
+
+def prepared_planes(module) -> torch.Tensor:
+    """module.planes in the kernel layout, made once per device and buffer version."""
+    planes = module.planes
+    key = (planes.device, planes.data_ptr(), planes._version, tuple(planes.shape))
+    cached = getattr(module, "_anyprec_kernel_planes", None)
+    if cached is None or cached[0] != key:
+        cached = (key, kernel_layout(planes))
+        module._anyprec_kernel_planes = cached
+    return cached[1]
+
+
+_sm_counts = {}
+
+
+def choose_tiles(bits, rows_out, batch, device, ext):
+    """16-row tiles per block. Every block reads all of x from L2: batch * in_features * 2 bytes
+    against 16 * tiles * in_features * bits / 8 bytes of weights, so from batch 4 on x would
+    outweigh the weights unless a block covers 2 tiles. At batch 1-2, 1 tile (twice the blocks)
+    balances better. k >= 7 tables only fit once; 2 tiles need enough blocks to fill the GPU twice.
+    The benchmark's tiles table confirms it on the H100 (11008x4096, 4 bits: batch 1 21.1 vs 23.1 us,
+    batch 8 42.1 vs 31.2 us for 1 vs 2 tiles)."""
+    if bits > 6 or batch < 4:
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    if -(-rows_out // 32) >= 2 * _sm_counts[index] and ext.has_matvec(torch.float16, bits, 2, ALL_FLAGS):
+        return 2
+    return 1
+
+
+def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None):
+    """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
+
+    planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
+    must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
+    """
+    ext = ext or build.load("anyprec")
+    rows, cols = x2.shape
+    width = 32 * words
+    if cols != width or not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = F.pad(x2, (0, width - cols)).contiguous()  # zero columns: padding codes meet zeros
+    if out is None:
+        out = torch.empty(rows, lut.shape[0], dtype=x2.dtype, device=x2.device)
+    if tiles is None:
+        tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
+    for start in range(0, rows, MAX_BATCH):
+        ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
+                   out[start:start + MAX_BATCH], flags, tiles)
+    return out
+
+
+def dequantize(planes, lut, bits, in_features, dtype, *, out=None, ext=None):
+    """The bits-wide weight [M, in_features] in dtype (fp16 / bf16 / fp32) from the stored planes."""
+    ext = ext or build.load("anyprec")
+    if out is None:
+        out = torch.empty(planes.shape[1], in_features, dtype=dtype, device=planes.device)
+    return ext.dequantize(planes, lut, bits, in_features, out)
+
+
+def forward(module, x):
+    """QuantLinear.forward on CUDA for any-precision tensors; None = use the reference path."""
+    if x.dtype not in _DTYPES or x.shape[-1] != module.in_features:
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return None  # the kernels have no backward
+    planes = module.planes
+    if planes.device != x.device:
+        return None
+    bits = module.bits if module.bits is not None else module.meta["parent_bits"]
+    lut = getattr(module, f"lut_{bits}", None)
+    if lut is None or lut.dtype != torch.float16:
+        return None
+    ext = build.load("anyprec")
+    if ext is None:
+        return None
+    rows_out, cols = module.out_features, module.in_features
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], rows_out)
+    bias = None if module.bias is None else module.bias.to(x.dtype)
+    key = (x.device, x.dtype, module.bits)  # QuantLinear's cache key
+    cached = module._cached[1] if module._cached is not None and module._cached[0] == key else None
+    limit = MATVEC_MAX_ROWS["cached" if cached is not None else "uncached"]
+    if x.dtype == torch.float32 or rows > limit:
+        weight = cached
+        if weight is None:
+            weight = dequantize(planes, lut, bits, cols, x.dtype, ext=ext)
+            if module.cache_weight:
+                module._cached = (key, weight)
+        return F.linear(x, weight, bias)
+    words = -(-cols // 32)
+    y = matvec(x2, prepared_planes(module), lut, bits, words, bias, ext=ext)
+    return y.reshape(*x.shape[:-1], rows_out)
+
+
+register("anyprec", forward)

@@ -1,0 +1,23 @@
+// Python bindings of the LUT-GEMM ops in lutgemm.cu; kernels/lutgemm.py is the caller. The ops (argument
+// checks + launchers) are defined in the nvcc-compiled lutgemm.cu, as gptq's are: this unit only binds.
+#include <torch/extension.h>
+
+#include <optional>
+
+void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
+                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                      int64_t group_size, const at::Tensor& out, int64_t mma_min_batch);
+void lutgemm_dequantize(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
+                        int64_t group_size, const at::Tensor& out);
+
+constexpr int64_t kMaxBatch = 8;  // columns of x per launch (lutgemm.cu lutgemm::kMaxBatch)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "LUT-GEMM for BCQ weights (see quantkit/kernels/lutgemm.py)";
+  m.def("lut_gemm", &lutgemm_lut_gemm, "out[n, k] = x[n, d] @ BCQ weight^T (+ bias), fp16", py::arg("x"),
+        py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("bias"), py::arg("group_size"),
+        py::arg("out"), py::arg("mma_min_batch") = kMaxBatch + 1);
+  m.def("dequantize", &lutgemm_dequantize, "out[k, d] = the BCQ weight, exact, in out.dtype", py::arg("qweight"),
+        py::arg("alpha"), py::arg("offset"), py::arg("group_size"), py::arg("out"));
+  m.attr("max_batch") = kMaxBatch;
+}

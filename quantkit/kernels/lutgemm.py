@@ -1,0 +1,169 @@
+"""LUT-GEMM on CUDA for BCQ QuantLinear layers, and for uniform (RTN/GPTQ) ones through the exact
+BCQ conversion (LUT-GEMM appendix C, formats.bcq.bcq_from_uniform).
+
+Two paths, chosen by the number of tokens (rows of x):
+  * tokens <= MATVEC_MAX_TOKENS: the LUT kernel (csrc/lutgemm.cu) reads the packed sign planes
+    directly: fp16 activations, fp32 accumulation, fp16 output (converted to x.dtype). It runs 8
+    tokens per launch; launches of MMA_MIN_BATCH..8 tokens go to the same file's tensor-core kernel
+    instead (sign planes decoded to ±1 fp16 in registers, mma.sync), where the groups allow it,
+    because at 8 columns a LUT read moves 16 bytes of shared memory per 8 weights.
+  * more tokens (prefill, perplexity): the dequantize kernel writes the dense weight in x.dtype
+    (bit-identical to the reference dequantization) and cuBLAS does the GEMM; the weight goes into
+    QuantLinear's own cache when module.cache_weight is true.
+The LUT kernel needs out_features % 4 == 0 and whole 32-column words per group (group_size % 32
+== 0, or one group per row); other layers always take the dequantize path. For 2..8 columns of x
+its tables hold fp16 sums of 8 activations and a word's 4 lookups are added in fp16, so sums of 32
+consecutive |x| must stay below 65504 (one column uses fp32 tables).
+
+Uniform layers run on their converted BCQ tensors in both paths; the converted weight differs from
+the uniform dequantization only by the fp16 rounding of the offset z (formats.bcq.bcq_from_uniform),
+and it is what lands in the weight cache.
+
+Importing this module registers `forward` for "bcq" and `forward_uniform` for "uniform" with
+quantkit.kernels.dispatch; both return None (-> PyTorch reference) when the extension cannot be
+built or the input is not one they serve.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.formats.bcq import bcq_from_uniform
+from quantkit.formats.uniform import num_groups
+from quantkit.kernels import build
+from quantkit.kernels.dispatch import register
+
+# Largest token count served by the LUT kernel, measured (benchmarks/bench_lutgemm.py "crossover",
+# H100, 2026-11-22): against a cached fp16 weight the LUT kernel loses from 12 tokens on 4096x4096,
+# 11008x4096 and 49152x12288 q3 g128 (against dequantize + cuBLAS only from 48-64), so 8 = one launch.
+MATVEC_MAX_TOKENS = 8
+
+# Smallest launch (columns of x, at most 8) served by the tensor-core kernel instead of the LUT one,
+# when group_size % 128 == 0 or one group per row. Measured (bench_lutgemm.py "batch sweep", H100):
+# the mma kernel wins only on the small 4096-wide shapes and loses on the large ones the goals name,
+# so 9 = off; the kernel stays built and tested for GPUs where the balance differs.
+MMA_MIN_BATCH = 9
+
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes
+
+_CONVERTED_ATTR = "_lutgemm_bcq"  # uniform modules: (device, BCQTensors), a plain attribute
+
+
+@dataclass(frozen=True)
+class BCQTensors:
+    """The stored BCQ tensors of one weight on one device (layout in formats/bcq.py)."""
+
+    qweight: torch.Tensor  # int32 [q, W, k]
+    alpha: torch.Tensor  # fp16 [G, q, k]
+    offset: torch.Tensor  # fp16 [G, k] or None
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self):
+        return self.qweight.shape[2]
+
+
+def kernels():
+    """The compiled extension, or None (CUDA absent, QUANTKIT_NO_KERNELS=1, build failed)."""
+    return build.load("lutgemm")
+
+
+def matvec_supported(out_features, in_features, group_size):
+    """Whether the LUT kernel can serve this weight (see the module docstring)."""
+    whole_words = group_size % 32 == 0 or num_groups(in_features, group_size) == 1
+    return out_features % 4 == 0 and whole_words
+
+
+def use_matvec(tokens, out_features, in_features, group_size):
+    """The switch rule: LUT kernel for few tokens, dequantize + cuBLAS beyond MATVEC_MAX_TOKENS."""
+    return 0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
+
+
+def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None):
+    """x [n, d] (any float dtype, CUDA) @ weightᵀ (+ bias) with the LUT kernel (launches of at least
+    mma_min_batch columns, default MMA_MIN_BATCH, on the tensor-core kernel) -> fp16 [n, k]."""
+    ops = ops or kernels()
+    x = x.to(torch.float16).contiguous()
+    out = torch.empty(x.shape[0], t.out_features, dtype=torch.float16, device=x.device)
+    if bias is not None:
+        bias = bias.to(torch.float16).contiguous()
+    ops.lut_gemm(x, t.qweight, t.alpha, t.offset, bias, t.group_size, out,
+                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch)
+    return out
+
+
+def dequantize(t: BCQTensors, dtype=torch.float16, ops=None):
+    """The dense weight [k, d] in `dtype`, equal to BCQQuantizedTensor.dequantize(dtype) bit for bit."""
+    ops = ops or kernels()
+    out = torch.empty(t.out_features, t.in_features, dtype=dtype, device=t.qweight.device)
+    ops.dequantize(t.qweight, t.alpha, t.offset, t.group_size, out)
+    return out
+
+
+def _stored(module) -> BCQTensors:
+    meta = module.meta
+    return BCQTensors(module.qweight, module.alpha, getattr(module, "offset", None) if meta["offset"] else None,
+                      meta["group_size"], meta["in_features"])
+
+
+def converted(module) -> BCQTensors:
+    """A uniform module's weight as BCQ tensors, converted once per device and kept on the module."""
+    device = module.qweight.device
+    cached = getattr(module, _CONVERTED_ATTR, None)
+    if cached is None or cached[0] != device:
+        bt = bcq_from_uniform(module.qtensor())
+        cached = (device, BCQTensors(bt.qweight, bt.alpha, bt.offset, bt.group_size, bt.in_features))
+        setattr(module, _CONVERTED_ATTR, cached)
+    return cached[1]
+
+
+def _dense_weight(module, t, x, ops):
+    # the same cache slot and key as QuantLinear's reference path, so either path reuses the other's weight
+    key = (x.device, x.dtype, module.bits)
+    if module._cached is not None and module._cached[0] == key:
+        return module._cached[1]
+    weight = dequantize(t, x.dtype, ops)
+    if module.cache_weight:
+        module._cached = (key, weight)
+    return weight
+
+
+def linear(module, x, t: BCQTensors, ops):
+    """QuantLinear forward on the kernels: y [..., k] in x.dtype, bias included."""
+    if x.dtype not in DENSE_DTYPES or x.shape[-1] != t.in_features:
+        return None
+    k = t.out_features
+    x2 = x.reshape(-1, t.in_features)
+    tokens = x2.shape[0]
+    if tokens == 0:
+        return x.new_empty(*x.shape[:-1], k)
+    if use_matvec(tokens, k, t.in_features, t.group_size):
+        y = lut_matmul(x2, t, module.bias, ops).to(x.dtype)
+    else:
+        bias = None if module.bias is None else module.bias.to(x.dtype)
+        y = F.linear(x2, _dense_weight(module, t, x, ops), bias)
+    return y.reshape(*x.shape[:-1], k)
+
+
+def forward(module, x):
+    """dispatch hook for format "bcq"."""
+    ops = kernels()
+    if ops is None:
+        return None
+    return linear(module, x, _stored(module), ops)
+
+
+def forward_uniform(module, x):
+    """dispatch hook for format "uniform": runs on the BCQ form; act-order g_idx layouts are not served."""
+    if module.meta.get("has_g_idx"):
+        return None
+    ops = kernels()
+    if ops is None:
+        return None
+    return linear(module, x, converted(module), ops)
+
+
+register("bcq", forward)
+register("uniform", forward_uniform)

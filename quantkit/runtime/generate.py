@@ -1,0 +1,214 @@
+"""Generation with loaded models (quantized or float).
+
+`generate_text` runs transformers' `generate` with the KV cache on (loaded artifacts set
+config.use_cache = False for perplexity; generation must not inherit that), greedy or sampled,
+and times it. It is what `quantkit generate` prints.
+
+`StaticGreedyDecoder` decodes greedily from a transformers StaticCache with every decode-step
+input in a fixed buffer: token ids, positions and a ready-made 4-D additive attention mask, which
+transformers uses as given (so none of its mask-building code, some of which reads tensor values
+on the host, runs per step). The next token is chosen on the device and written back into the
+input buffer, so one decode step has fixed shapes and addresses and no host synchronisation: it
+can be captured once in a CUDA graph (`capture()`) and replayed token after token with no Python
+between kernels. Benchmarks need this, or Python overhead (tens of ms per token for 32 layers)
+hides what the kernels save. Llama-style decoders (rotary positions from position_ids).
+"""
+
+import inspect
+import time
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model_device(model):
+    return next(model.parameters()).device
+
+
+def completion_lengths(new_ids, eos_token_id):
+    """Tokens generated per row: up to and including the first eos (generate pads after it)."""
+    lengths = []
+    for row in new_ids.tolist():
+        n = len(row)
+        if eos_token_id is not None and eos_token_id in row:
+            n = row.index(eos_token_id) + 1
+        lengths.append(n)
+    return lengths
+
+
+@torch.inference_mode()
+def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, temperature=1.0, top_p=1.0, seed=0):
+    """Complete each prompt with `model.generate` (KV cache on). Sampling is seeded with `seed`.
+
+    Returns {"completions", "token_ids" (new ids per prompt), "new_tokens" (per prompt, up to eos),
+    "prompt_tokens", "seconds", "tokens_per_s" (all new tokens / wall time), "ms_per_step"}.
+    """
+    prompts = list(prompts)
+    if not prompts:
+        raise QuantkitError("give at least one --prompt")
+    if max_new_tokens < 1:
+        raise QuantkitError("--max-new-tokens must be at least 1")
+    device = _model_device(model)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+    if tokenizer.pad_token is None and len(prompts) > 1:
+        if tokenizer.eos_token is None:
+            raise QuantkitError("several prompts need padding, but the tokenizer has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        enc = tokenizer(prompts, return_tensors="pt", padding=len(prompts) > 1).to(device)
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
+    prompt_len = enc["input_ids"].shape[1]
+    if (enc["attention_mask"].sum(dim=1) == 0).any():
+        raise QuantkitError("a --prompt is empty after tokenization")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise QuantkitError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {limit} tokens")
+    kwargs = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad, "do_sample": not greedy}
+    if greedy:
+        kwargs.update(temperature=None, top_p=None, top_k=None)  # silence the model's own sampling defaults
+    else:
+        if temperature <= 0:
+            raise QuantkitError("--temperature must be positive (use --greedy for argmax decoding)")
+        if not 0 < top_p <= 1:
+            raise QuantkitError("--top-p must be in (0, 1]")
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=None)
+        torch.manual_seed(seed)  # seeds the CUDA generators too
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(**enc, **kwargs)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    new_ids = out[:, prompt_len:]
+    lengths = completion_lengths(new_ids, eos)
+    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
+    return {
+        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
+        "token_ids": ids,
+        "new_tokens": lengths,
+        "prompt_tokens": enc["attention_mask"].sum(dim=1).tolist(),
+        "seconds": seconds,
+        "tokens_per_s": sum(lengths) / seconds,
+        "ms_per_step": 1000 * seconds / new_ids.shape[1],
+    }
+
+
+class StaticGreedyDecoder:
+    """Greedy decoding of a batch of equal-length prompts, one decode step capturable in a CUDA graph.
+
+    Use: `dec = StaticGreedyDecoder(model, max_len)`; optionally `dec.capture()` (CUDA); then
+    `dec.generate(prompt_ids, n)`, or `dec.prefill(prompt_ids)` followed by `dec.steps(n)` to time
+    the two apart. `max_len` bounds prompt + generated tokens (the static cache's length; note that
+    attention then reads all max_len cached positions every step, masked, as with transformers'
+    own static cache). A captured graph freezes whatever the model did while capturing: capture
+    again after changing it (QuantLinear.set_bits, use_kernels, new weights).
+    """
+
+    def __init__(self, model, max_len, batch_size=1):
+        from transformers import StaticCache
+
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len, self.batch_size = max_len, batch_size
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # next input token
+        self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # its position
+        self.kv_index = torch.arange(max_len, device=self.device)
+        self.graph = None
+        self.filled = 0  # cache positions written by prefill and steps (host-side bookkeeping only)
+        # transformers releases differ: older ones index the static cache by an explicit cache_position,
+        # newer ones keep a device-side counter in the cache; the logits-trimming argument was renamed
+        params = inspect.signature(model.forward).parameters
+        self._pass_cache_position = "cache_position" in params
+        self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+        attn = getattr(model.config, "_attn_implementation", "sdpa")
+        if attn not in ("sdpa", "eager"):
+            raise QuantkitError(f"StaticGreedyDecoder needs sdpa or eager attention (its mask is additive), not {attn}")
+
+    def _mask(self, positions):
+        """Additive mask [B, 1, q, max_len]: 0 where key index <= query position, dtype-min elsewhere."""
+        keep = self.kv_index.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
+        mask = torch.zeros(keep.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~keep, torch.finfo(self.dtype).min)
+
+    def _next_token(self, ids, positions):
+        kwargs = {"input_ids": ids, "position_ids": positions, "attention_mask": self._mask(positions),
+                  "past_key_values": self.cache, "use_cache": True}
+        if self._pass_cache_position:
+            kwargs["cache_position"] = positions[0]
+        if self._keep_arg:
+            kwargs[self._keep_arg] = 1
+        logits = self.model(**kwargs).logits[:, -1]
+        return logits.argmax(dim=-1, keepdim=True)
+
+    def _step(self):
+        self.ids.copy_(self._next_token(self.ids, self.pos))
+        self.pos.add_(1)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids):
+        """Reset the cache, run the prompt [B, P]; returns the first generated token [B, 1]."""
+        batch, length = prompt_ids.shape
+        if batch != self.batch_size:
+            raise QuantkitError(f"decoder built for batch {self.batch_size}, got {batch} prompts")
+        if length >= self.max_len:
+            raise QuantkitError(f"prompt of {length} tokens leaves no room in a static cache of {self.max_len}")
+        self.cache.reset()  # in place: a captured graph keeps pointing at the same cache tensors
+        positions = torch.arange(length, device=self.device).expand(batch, length)
+        self.ids.copy_(self._next_token(prompt_ids.to(self.device), positions))
+        self.pos.fill_(length)
+        self.filled = length
+        return self.ids.clone()
+
+    @torch.inference_mode()
+    def steps(self, n):
+        """n decode steps after prefill (graph replays when captured); returns their tokens [B, n]."""
+        if self.filled + n > self.max_len:
+            raise QuantkitError(f"{n} more tokens overflow the static cache ({self.filled} of {self.max_len} used)")
+        out = torch.empty(self.batch_size, n, dtype=torch.long, device=self.device)
+        for i in range(n):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+            out[:, i : i + 1].copy_(self.ids)
+        self.filled += n
+        return out
+
+    def generate(self, prompt_ids, new_tokens):
+        """prompt [B, P] -> the `new_tokens` greedy tokens [B, new_tokens]."""
+        first = self.prefill(prompt_ids)
+        return torch.cat([first, self.steps(new_tokens - 1)], dim=1) if new_tokens > 1 else first
+
+    @torch.inference_mode()
+    def capture(self, warmup=2):
+        """Capture one decode step in a CUDA graph. The warm-up steps (which also let kernels do their
+        one-time work, e.g. lazy layout conversions, outside the capture) write junk into the cache;
+        the next prefill resets it."""
+        if self.device.type != "cuda":
+            raise QuantkitError("CUDA graphs need the model on a CUDA device")
+        self.graph = None
+        self.pos.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.graph = graph
+        self.filled = self.max_len  # the cache holds warm-up junk until the next prefill
+        return graph

@@ -1,0 +1,450 @@
+"""LUT-GEMM (quantkit/kernels/csrc/lutgemm.cu + .cpp, quantkit/kernels/lutgemm.py).
+
+Three layers, so that CPU-only CI still checks most of what can go wrong:
+  * CPU: the Python plumbing (switch rule, lazy uniform -> BCQ conversion, weight cache, shapes,
+    dtypes, bias) with a PyTorch stand-in for the compiled ops;
+  * CPU, when g++ and the CUDA headers are found: the kernel source itself, built as plain C++ with
+    its host emulation (one std::thread per CUDA thread, lutgemm.cu -DLUTGEMM_HOST_EMU), against an
+    fp64 reference; its output buffers start as NaN;
+  * GPU (each test marked `gpu`; skipped without CUDA or when the extension does not build): the
+    compiled kernels, output buffers poisoned with NaN before every run.
+Both matvec kernels are covered: the LUT kernel and the tensor-core one (mma_min_batch selects).
+The file mixes CPU and GPU tests, so the `gpu` mark is per test rather than a module pytestmark.
+"""
+
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
+from quantkit.formats.uniform import UniformQuantizedTensor, num_groups
+from quantkit.kernels import build, dispatch, lutgemm
+from quantkit.methods.rtn import rtn_quantize
+from quantkit.runtime import QuantLinear
+
+CSRC = Path(lutgemm.__file__).parent / "csrc" / "lutgemm.cu"
+TOL = 2e-3  # ‖y − y_ref‖ / ‖y_ref‖ against the fp64 reference (the issue's bound)
+
+
+def make_bcq(k, d, q, g, offset, seed=0, device="cpu"):
+    """Random BCQ tensor: random signs, positive α shrinking with the plane (as the greedy fit gives)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups = num_groups(d, g)
+    signs = torch.rand(q, k, d, generator=gen, device=device) < 0.5
+    alpha = (torch.rand(k, groups, q, generator=gen, device=device) + 0.5) * 0.02 * 0.5 ** torch.arange(q, device=device)
+    z = torch.randn(k, groups, generator=gen, device=device) * 0.01 if offset else None
+    return BCQQuantizedTensor.from_signs(signs, alpha, z, g)
+
+
+def reference(x, qt, bias=None):
+    """fp64 x @ wᵀ (+ bias) from the exact dequantized weight."""
+    y = x.double() @ qt.dequantize(torch.float32).double().t()
+    return y if bias is None else y + bias.double()
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+# ---- CPU: the Python plumbing with a PyTorch stand-in for the compiled ops ---------------------
+
+class FakeOps:
+    """The extension's contract (lut_gemm / dequantize into `out`) computed with PyTorch."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _tensor(qweight, alpha, offset, group_size, in_features):
+        return BCQQuantizedTensor(qweight=qweight, alpha=alpha, offset=offset, bits=qweight.shape[0],
+                                  group_size=group_size, in_features=in_features)
+
+    def lut_gemm(self, x, qweight, alpha, offset, bias, group_size, out, mma_min_batch=9):
+        assert x.dtype == torch.float16 and x.is_contiguous() and out.dtype == torch.float16
+        assert mma_min_batch == lutgemm.MMA_MIN_BATCH
+        self.calls.append(("lut_gemm", x.shape[0]))
+        y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1]), bias)
+        out.copy_(y.to(torch.float16))
+
+    def dequantize(self, qweight, alpha, offset, group_size, out):
+        self.calls.append(("dequantize", out.dtype))
+        out.copy_(self._tensor(qweight, alpha, offset, group_size, out.shape[1]).dequantize(out.dtype))
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    ops = FakeOps()
+    monkeypatch.setattr(lutgemm, "kernels", lambda: ops)
+    return ops
+
+
+def _uniform_module(k=64, d=160, bits=4, g=32, sym=False, bias=True, seed=0, g_idx=False):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(k, d, generator=gen) * 0.02
+    codes, scales, zeros, g = rtn_quantize(w, bits, g, sym)
+    ut = UniformQuantizedTensor.from_codes(codes, scales, zeros, bits, g, sym,
+                                           g_idx=torch.arange(d) // g if g_idx else None)
+    return QuantLinear(ut, bias=torch.randn(k, generator=gen) * 0.1 if bias else None)
+
+
+def test_registered_with_dispatch():
+    assert dispatch._FORWARDS["bcq"] is lutgemm.forward
+    assert dispatch._FORWARDS["uniform"] is lutgemm.forward_uniform
+
+
+@pytest.mark.parametrize("tokens,k,d,g,path", [
+    (1, 64, 160, 32, "lut_gemm"),
+    (lutgemm.MATVEC_MAX_TOKENS, 64, 160, 160, "lut_gemm"),
+    (lutgemm.MATVEC_MAX_TOKENS + 1, 64, 160, 32, "dequantize"),
+    (1, 62, 160, 32, "dequantize"),   # out_features % 4 != 0
+    (1, 64, 160, 48, "dequantize"),   # groups split 32-column words
+    (1, 64, 100, 100, "lut_gemm"),    # row-wise groups of a width that is not a multiple of 32
+])
+def test_switch_rule(fake_ops, tokens, k, d, g, path):
+    assert lutgemm.use_matvec(tokens, k, d, g) == (path == "lut_gemm")
+    module = QuantLinear(make_bcq(k, d, 3, g, offset=True), bias=torch.randn(k) * 0.1)
+    x = torch.randn(tokens, d)
+    y = lutgemm.forward(module, x)
+    assert [c[0] for c in fake_ops.calls] == [path]
+    assert y.dtype == x.dtype and y.shape == (tokens, k)
+    ref = module(x)  # CPU input: QuantLinear's reference path
+    tol = 1e-3 if path == "lut_gemm" else 1e-6  # the LUT path returns fp16
+    assert rel_err(y, ref.double()) < tol
+
+
+def test_leading_dims_dtype_and_bias(fake_ops):
+    module = QuantLinear(make_bcq(32, 96, 2, 32, offset=False), bias=torch.randn(32) * 0.1)
+    x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    y = lutgemm.forward(module, x)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.bfloat16
+    xw = x.double().reshape(6, 96) @ module.dequantized_weight().double().t()
+    assert rel_err(y.reshape(6, 32), xw + module.bias.double()) < 1e-2  # bf16 output
+    module.bias = None  # the bias is added exactly once
+    assert rel_err(lutgemm.forward(module, x).reshape(6, 32), xw) < 1e-2
+
+
+def test_empty_input_and_unserved_dtype(fake_ops):
+    module = QuantLinear(make_bcq(32, 64, 2, 32, offset=False))
+    y = lutgemm.forward(module, torch.randn(0, 64))
+    assert y.shape == (0, 32)
+    assert lutgemm.forward(module, torch.randn(2, 64, dtype=torch.float64)) is None
+    assert fake_ops.calls == []
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_dequantize_path_uses_the_module_cache(fake_ops, cache):
+    module = QuantLinear(make_bcq(64, 128, 3, 64, offset=True), cache_weight=cache)
+    x = torch.randn(40, 128, dtype=torch.float16)
+    y1 = lutgemm.forward(module, x)
+    y2 = lutgemm.forward(module, x)
+    assert torch.equal(y1, y2)
+    assert [c[0] for c in fake_ops.calls].count("dequantize") == (1 if cache else 2)
+    if cache:
+        key, weight = module._cached
+        assert key == (x.device, torch.float16, None) and weight.dtype == torch.float16
+        assert torch.equal(weight, module.dequantized_weight(torch.float16))  # what the reference path would cache
+    else:
+        assert module._cached is None
+
+
+def test_dequantize_path_reuses_a_weight_cached_by_the_reference(fake_ops):
+    module = QuantLinear(make_bcq(64, 128, 3, 64, offset=False))
+    x = torch.randn(40, 128, dtype=torch.float16)
+    module(x)  # CPU input: the reference path fills the cache for (cpu, fp16)
+    assert module._cached is not None
+    lutgemm.forward(module, x)
+    assert fake_ops.calls == []
+
+
+def test_uniform_converts_once_and_keeps_it_off_the_state_dict(fake_ops, monkeypatch):
+    module = _uniform_module()
+    conversions = []
+
+    def counting(ut):
+        conversions.append(1)
+        return bcq_from_uniform(ut)
+
+    monkeypatch.setattr(lutgemm, "bcq_from_uniform", counting)
+    x = torch.randn(3, 160)
+    y1 = lutgemm.forward_uniform(module, x)
+    y2 = lutgemm.forward_uniform(module, x)
+    assert len(conversions) == 1 and torch.equal(y1, y2)
+    assert isinstance(getattr(module, "_lutgemm_bcq")[1], lutgemm.BCQTensors)
+    assert set(module.state_dict()) == {"qweight", "scales", "qzeros", "bias"}
+    # same answer as the uniform reference, up to fp16 output and the fp16 rounding of z in the conversion
+    assert rel_err(y1, module(x).double()) < 2e-3
+
+
+@pytest.mark.parametrize("bits,g,sym", [(4, 32, False), (3, 64, True), (2, 160, False)])
+def test_uniform_through_bcq_matches_uniform_reference(fake_ops, bits, g, sym):
+    module = _uniform_module(bits=bits, g=g, sym=sym, seed=bits)
+    for tokens in (1, 40):
+        x = torch.randn(tokens, 160)
+        y = lutgemm.forward_uniform(module, x)
+        assert rel_err(y, module(x).double()) < 2e-3
+
+
+def test_uniform_with_g_idx_falls_back(fake_ops):
+    module = _uniform_module(g_idx=True)
+    assert lutgemm.forward_uniform(module, torch.randn(2, 160)) is None
+    assert fake_ops.calls == []
+
+
+def test_no_extension_means_reference(monkeypatch):
+    monkeypatch.setattr(lutgemm, "kernels", lambda: None)
+    module = QuantLinear(make_bcq(32, 64, 2, 32, offset=False))
+    assert lutgemm.forward(module, torch.randn(1, 64)) is None
+    assert lutgemm.forward_uniform(_uniform_module(), torch.randn(1, 160)) is None
+
+
+# ---- CPU: the kernel source under its host emulation ---------------------------------------------
+
+def _cuda_include():
+    candidates = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", "")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates += sorted(str(p) for p in Path("/usr/local").glob("cuda*"))
+    for root in candidates:
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    cxx, include = shutil.which("g++"), _cuda_include()
+    if cxx is None or include is None:
+        pytest.skip("host emulation needs g++ and the CUDA headers (cuda_fp16.h)")
+    exe = tmp_path_factory.mktemp("lutgemm-emu") / "lutgemm_emu"
+    cmd = [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", "-pthread", "-DLUTGEMM_HOST_EMU", f"-I{include}",
+           "-x", "c++", str(CSRC), "-o", str(exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return exe
+
+
+def _emulate(exe, workdir, args):
+    res = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+
+
+def _save(workdir, name, t):
+    t.contiguous().cpu().numpy().tofile(workdir / f"{name}.bin")
+
+
+# (n, k, d, q, g, offset, bias, max_blocks, mma_min_batch): LUT kernel (mma_min_batch 9) at every
+# padded batch 1/2/4/8 and a 2-launch batch; the tensor-core kernel (mma_min_batch <= n) alone or
+# mixed with LUT launches; blocks that start and stop mid-unit (max_blocks not dividing the steps)
+# or run a single step; d with padding bits and partial chunks; row-wise groups of any width
+EMU_CASES = [
+    (1, 1024, 256, 1, 256, False, False, 1, 9),
+    (1, 2048, 600, 3, 128, True, True, 3, 9),
+    (2, 1028, 1000, 2, 64, True, False, 5, 9),
+    (3, 512, 512, 4, 32, False, True, 64, 9),
+    (4, 1100, 200, 8, 200, True, True, 2, 9),
+    (8, 2048, 700, 3, 700, True, True, 4, 9),
+    (5, 96, 2000, 5, 128, True, False, 7, 9),
+    (4, 1024, 640, 1, 128, False, False, 3, 9),   # one step per unit: x for the next unit loads every step
+    (11, 1024, 300, 2, 96, True, True, 3, 9),
+    (8, 1024, 1024, 3, 128, True, True, 5, 1),    # tensor cores
+    (5, 260, 700, 2, 700, True, True, 3, 1),      # row-wise group, d not a multiple of 32, rows past a tile
+    (6, 512, 1536, 4, 256, False, False, 7, 1),
+    (1, 256, 384, 1, 128, True, False, 2, 1),     # one step per unit
+    (12, 1100, 520, 2, 520, True, False, 4, 5),   # launches of 8 (tensor cores) and 4 (LUT)
+]
+
+
+@pytest.mark.parametrize("n,k,d,q,g,offset,bias,max_blocks,mma_min_batch", EMU_CASES)
+def test_emulated_lut_gemm(emulator, tmp_path, n, k, d, q, g, offset, bias, max_blocks, mma_min_batch):
+    qt = make_bcq(k, d, q, g, offset, seed=n * 131 + q)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, d, generator=gen).half()
+    b = (torch.randn(k, generator=gen) * 0.1).half() if bias else None
+    _save(tmp_path, "qweight", qt.qweight)
+    _save(tmp_path, "alpha", qt.alpha)
+    if offset:
+        _save(tmp_path, "offset", qt.offset)
+    if bias:
+        _save(tmp_path, "bias", b)
+    _save(tmp_path, "x", x)
+    _emulate(emulator, tmp_path, ["gemm", tmp_path, n, d, k, q, g, int(offset), int(bias), max_blocks, mma_min_batch])
+    y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, k))
+    assert not torch.isnan(y).any(), "output elements left unwritten"
+    assert rel_err(y, reference(x, qt, b)) < TOL
+
+
+@pytest.mark.parametrize("k,d,q,g,offset,dtype", [
+    (40, 100, 3, 48, True, torch.float16),    # group boundaries inside words, partial last group
+    (64, 256, 2, 128, False, torch.bfloat16),
+    (33, 577, 4, 128, True, torch.float32),   # rows not a multiple of the 32-row tile, odd width
+    (100, 300, 1, 7, True, torch.float16),
+    (64, 512, 8, 512, True, torch.bfloat16),
+])
+def test_emulated_dequantize_is_exact(emulator, tmp_path, k, d, q, g, offset, dtype):
+    qt = make_bcq(k, d, q, g, offset, seed=k + d)
+    _save(tmp_path, "qweight", qt.qweight)
+    _save(tmp_path, "alpha", qt.alpha)
+    if offset:
+        _save(tmp_path, "offset", qt.offset)
+    out_bytes = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 4}[dtype]
+    _emulate(emulator, tmp_path, ["dequant", tmp_path, d, k, q, g, int(offset), out_bytes])
+    w = torch.from_numpy(np.fromfile(tmp_path / "w.bin", dtype=np.uint8)).view(dtype).reshape(k, d)
+    assert torch.equal(w, qt.dequantize(dtype))  # NaN start: equality also proves every element was written
+
+
+# ---- GPU: the compiled extension ----------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    ops = lutgemm.kernels()
+    if ops is None:
+        pytest.skip(f"lutgemm extension unavailable: {build.unavailable_reason('lutgemm')}")
+    return ops
+
+
+def _random_cases(count, seed):
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        n = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 8, 12, 17])
+        k = 4 * rng.randint(1, 900)
+        d = rng.choice([rng.randint(8, 3000), 32 * rng.randint(1, 96)])
+        q = rng.randint(1, 8)
+        g = rng.choice([32, 64, 128, 256, d])
+        cases.append((n, k, d, q, g, rng.random() < 0.5, rng.random() < 0.5))
+    return cases
+
+
+def _lut_gemm(ops, x, qt, bias, mma_min_batch=9):
+    out = torch.full((x.shape[0], qt.shape[0]), float("nan"), dtype=torch.float16, device=x.device)
+    ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, bias, qt.group_size, out, mma_min_batch)
+    return out
+
+
+# mma_min_batch 9: LUT kernel only; 1: the tensor-core kernel wherever the groups allow it
+KERNELS = pytest.mark.parametrize("mma_min_batch", [9, 1], ids=["lut", "mma"])
+
+
+@gpu
+@KERNELS
+@pytest.mark.parametrize("n,k,d,q,g,offset,bias", _random_cases(40, seed=8))
+def test_lut_gemm_random_shapes(ops, n, k, d, q, g, offset, bias, mma_min_batch):
+    if mma_min_batch == 1:  # the tensor-core kernel takes whole 128-column chunks per group
+        g = 128 * max(1, g // 128) if g != d else d
+    qt = make_bcq(k, d, q, g, offset, seed=k + d + q, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, d, device="cuda", generator=gen).half()
+    b = (torch.randn(k, device="cuda", generator=gen) * 0.1).half() if bias else None
+    for _ in range(2):  # fresh poison each run: the second run must not lean on the first one's output
+        y = _lut_gemm(ops, x, qt, b, mma_min_batch)
+        assert not torch.isnan(y).any()
+        assert rel_err(y, reference(x, qt, b)) < TOL
+
+
+@gpu
+@KERNELS
+@pytest.mark.parametrize("k,d", [(4096, 4096), (11008, 4096), (4096, 11008)])
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("q,g", [(2, 128), (3, -1), (4, 128)])
+def test_lut_gemm_model_shapes(ops, k, d, n, q, g, mma_min_batch):
+    qt = make_bcq(k, d, q, d if g == -1 else g, offset=False, seed=q, device="cuda")
+    x = torch.randn(n, d, device="cuda").half()
+    y = _lut_gemm(ops, x, qt, None, mma_min_batch)
+    assert not torch.isnan(y).any()
+    assert rel_err(y, reference(x, qt)) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("k,d,q,g,offset", [(40, 100, 3, 48, True), (4096, 4096, 3, 128, False),
+                                            (33, 577, 4, 128, True), (1000, 3000, 8, 7, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_is_exact(ops, k, d, q, g, offset, dtype):
+    qt = make_bcq(k, d, q, g, offset, seed=d, device="cuda")
+    out = torch.full((k, d), float("nan"), dtype=dtype, device="cuda")
+    ops.dequantize(qt.qweight, qt.alpha, qt.offset, qt.group_size, out)
+    assert torch.equal(out, qt.dequantize(dtype))
+
+
+@gpu
+def test_errors_name_the_problem(ops):
+    qt = make_bcq(64, 128, 2, 32, offset=True, device="cuda")
+    x = torch.randn(1, 128, device="cuda").half()
+    out = torch.empty(1, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="fp16"):
+        ops.lut_gemm(x.float(), qt.qweight, qt.alpha, qt.offset, None, 32, out)
+    with pytest.raises(RuntimeError, match="words per row"):
+        ops.lut_gemm(torch.randn(1, 200, device="cuda").half(), qt.qweight, qt.alpha, qt.offset, None, 32, out)
+    with pytest.raises(RuntimeError, match="alpha"):
+        ops.lut_gemm(x, qt.qweight, qt.alpha[:, :1].contiguous(), qt.offset, None, 32, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, None, 32, out[:, :32].contiguous())
+    odd = make_bcq(62, 128, 2, 32, offset=False, device="cuda")
+    with pytest.raises(RuntimeError, match="out_features % 4"):
+        ops.lut_gemm(x, odd.qweight, odd.alpha, None, None, 32, torch.empty(1, 62, dtype=torch.float16, device="cuda"))
+    split = make_bcq(64, 128, 2, 48, offset=False, device="cuda")
+    with pytest.raises(RuntimeError, match="group_size % 32"):
+        ops.lut_gemm(x, split.qweight, split.alpha, None, None, 48, out)
+
+
+@gpu
+@KERNELS
+def test_cuda_graph_capture(ops, mma_min_batch):
+    qt = make_bcq(4096, 4096, 3, 128, offset=True, device="cuda")
+    x = torch.randn(4, 4096, device="cuda").half()
+    out = torch.empty(4, 4096, dtype=torch.float16, device="cuda")
+    ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, None, 128, out, mma_min_batch)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, None, 128, out, mma_min_batch)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(x, qt)) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["bcq", "rtn-asym", "rtn-sym"])
+@pytest.mark.parametrize("tokens", [1, 5, lutgemm.MATVEC_MAX_TOKENS, 64])
+def test_quant_linear_on_cuda(ops, fmt, tokens):
+    torch.manual_seed(tokens)
+    k, d = 1536, 576  # SmolLM2's MLP: 576 = 4·128 + 64, a partial last group
+    if fmt == "bcq":
+        qtensor = make_bcq(k, d, 3, 128, offset=True, seed=1)
+    else:
+        codes, scales, zeros, g = rtn_quantize(torch.randn(k, d) * 0.02, 4, 128, fmt == "rtn-sym")
+        qtensor = UniformQuantizedTensor.from_codes(codes, scales, zeros, 4, g, fmt == "rtn-sym")
+    module = QuantLinear(qtensor, bias=torch.randn(k) * 0.1, compute_dtype=torch.float16).cuda()
+    x = torch.randn(2, tokens, d, device="cuda").half()
+    y = module(x)
+    module.use_kernels = False
+    module._cached = None
+    ref = module(x)
+    assert y.shape == ref.shape == (2, tokens, k) and y.dtype == torch.float16
+    assert rel_err(y.float(), ref.double()) < TOL
+    if fmt != "bcq":
+        assert module._lutgemm_bcq[0] == x.device  # converted once, kept on the module
+
+
+@gpu
+def test_quant_linear_uniform_with_g_idx_uses_the_reference(ops):
+    module = _uniform_module(g_idx=True).cuda()
+    x = torch.randn(3, 160, device="cuda")
+    y = module(x)
+    assert not hasattr(module, "_lutgemm_bcq")
+    module.use_kernels = False
+    assert torch.equal(y, module(x))

@@ -59,8 +59,11 @@ def random_llama(layers=32, seed=0, dtype=torch.float16, **shape):
     for index, (name, param) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:  # seeded per tensor, so every process builds the same model
-            param.data.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
+        else:  # seeded per tensor, so every process builds the same model; drawn on the GPU when there
+            # is one (a host generator needs ~5 min for 6.7B fp16 values on one core)
+            where = "cuda" if torch.cuda.is_available() else "cpu"
+            gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + index)
+            param.data.copy_(torch.empty(param.shape, dtype=param.dtype, device=where).normal_(0.0, 0.02, generator=gen))
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffers were never computed on meta
     return model.eval()
 

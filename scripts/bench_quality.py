@@ -212,13 +212,13 @@ def print_table(rows, datasets):
 
 
 def merge(paths, out_path):
-    """One table from several runs' JSON files: their rows (the first float row only) + ensemble rows."""
+    """One table from several runs' JSON files: their rows (the first of each config) + ensemble rows."""
     meta, rows = None, []
     for path in paths:
         data = json.loads(Path(path).read_text())
         meta = meta or data["meta"]
         for row in data["rows"]:
-            if row["config"] == "float" and any(r["config"] == "float" for r in rows):
+            if any(r["config"] == row["config"] for r in rows):  # a config measured twice: keep the first
                 continue
             if "ensemble_of" not in row:
                 rows.append(row)

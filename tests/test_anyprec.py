@@ -82,9 +82,11 @@ def test_codes_are_nested_and_tables_agree():
     # each split refines its parent cluster: error falls with every extra bit
     errs = [(qt.dequantize(bits=b) - weight).pow(2).mul(stats["xtx"].diagonal()).sum().item() for b in range(3, 9)]
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
-    # the seed is the squeezellm result at 3 bits
+    # with upscale="split" the seed is the squeezellm result at 3 bits (the default "joint" moves the
+    # seed's boundaries, at most 1 % more seed SSE, for the finer widths' sake)
+    split = make_method("anyprec", seed_bits=3, parent_bits=8, upscale="split").quantize(weight, stats)[0]
     sq, _ = make_method("squeezellm", bits=3).quantize(weight, stats)
-    assert torch.equal(sq.dequantize(), qt.dequantize(bits=3))
+    assert torch.equal(sq.dequantize(), split.dequantize(bits=3))
     with pytest.raises(QuantkitError):
         qt.dequantize(bits=2)
 

@@ -391,7 +391,8 @@ def test_tile_graph_capture_and_errors(kernel):
             kernel.tile(*args(graph_work))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(buf.codes, expected_codes) and torch.equal(buf.err, expected_err)
+    # the tile covers columns [0, 128): those were poisoned and must be rewritten by the replay
+    assert torch.equal(buf.codes[:, :128], expected_codes[:, :128]) and torch.equal(buf.err, expected_err)
     bad = list(args(w.clone()))
     bad[0] = w.double()
     with pytest.raises(RuntimeError, match="float64|Double|dtype|must be"):

@@ -1,5 +1,6 @@
 """SqueezeLLM-style non-uniform quantization: per output row, sensitivity-weighted 1-D k-means with
-2^b centroids; stored as a per-row fp16 lookup table plus b-bit codes in the any-precision bitplane
+2^b centroids (exact, by the C++ extension of kmeans_native.py when it builds; else the torch heuristic
+of kmeans.py); stored as a per-row fp16 lookup table plus b-bit codes in the any-precision bitplane
 format with seed == parent == b (formats/anyprec.py).
 
 Sensitivity (the k-means weight of every element of W):
@@ -17,6 +18,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.methods.base import Method, check_bits, register_method
 from quantkit.methods.kmeans import SortedRows, kmeans_runs
+from quantkit.methods.kmeans_native import native_anyprec
 
 SENSITIVITIES = ("activation", "fisher", "none")
 
@@ -71,6 +73,10 @@ class SqueezeLLM(Method):
 
     def quantize(self, weight, stats):
         sens = sensitivity_weights(weight, stats, self.sensitivity)
+        native = native_anyprec(weight, sens, self.bits, self.bits)  # exact k-means; None without the extension
+        if native is not None:
+            qt = AnyPrecisionTensor.from_codes(native.codes, native.luts, self.bits, self.bits)
+            return qt, {"weighted_sse": native.sse[self.bits].sum().item()}
         sr, starts, centroids = seed_clusters(weight, sens, self.bits)
         qt = AnyPrecisionTensor.from_codes(sr.codes(starts), {self.bits: centroids}, self.bits, self.bits)
         return qt, {"weighted_sse": sr.run_sse(starts).sum().item()}

@@ -162,6 +162,26 @@ def test_static_decoder_matches_generate(attn, artifact, tiny_tokenizer):
         decoder.steps(NEW_TOKENS + 1)
 
 
+def test_static_decoder_warm_up_after_full_generation(artifact, tiny_tokenizer):
+    # capture() warms up (and records) decode steps on whatever cache the last generate() left full; the
+    # StaticCache writes at its own device-side counter, so without a rewind those steps index past
+    # max_len (on CUDA a device assert that poisons the process). warm_up is capture's CPU-runnable part.
+    model = quantkit.load(artifact("rtn"))
+    ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    want, _ = _greedy(model, enc)
+    assert len(set(want[0].tolist())) > NEW_TOKENS // 4  # decoding past the prompt goes somewhere
+    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
+    decoder.warm_up(2)  # on a fresh cache (capture before any prefill)
+    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)  # every cache slot used
+    decoder.warm_up(3)
+    with pytest.raises(QuantkitError, match="overflow"):
+        decoder.steps(1)  # warm-up junk in the cache: only a prefill may follow
+    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)
+    with pytest.raises(QuantkitError, match="do not fit"):
+        decoder.warm_up(decoder.max_len)
+
+
 class _HostReads(TorchDispatchMode):
     """Records ops that copy a device value to the host (forbidden inside CUDA-graph capture)."""
 

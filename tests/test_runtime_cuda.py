@@ -3,11 +3,15 @@
 and SmolLM2 perplexity through the kernels equals the reference path's.
 
 Why agreement rates and not exact tokens: the kernels accumulate in a different order than cuBLAS
-(LUT sums, split-K), so logits differ by fp16 rounding, ~1e-3 relative per matmul. Greedy decoding
-then flips a token only where the reference's top two logits are that close. On these random models
-(top-2 gaps mostly 0.1-1 logits, a few down to ~0.01) we require logits within 1e-2 relative error
-(a wrong scale, plane or bit-width gives errors of order 1) and at least 90 % of teacher-forced
-argmax tokens equal to the reference's (a real bug flips most of them).
+(LUT sums, split-K), so logits differ by fp16 rounding. Greedy decoding then flips a token only where
+the reference's top two logits are that close. The logit bound is relative to fp16's own noise, not
+a fixed number: on these random 2-layer models (std-0.15 weights, large activations) the reference
+path in fp16 is already ~1e-2 (max over positions) away from the same path in fp32 (measured on the
+CPU: 8.7e-3 rtn, 9.3e-3 bcq), and two fp16 paths that round differently were seen 1.4-1.8e-2 apart
+on an H100, i.e. about twice that. So the kernels' logits, compared with the fp32 reference, must be
+within KERNEL_NOISE_FACTOR times the fp16 reference's own error (a wrong scale, plane or bit-width
+gives errors of order 1, a hundred times more), and at least 90 % of teacher-forced argmax tokens
+must equal the fp16 reference's (a real bug flips most of them).
 
 Environment: QUANTKIT_SMOLLM2=/path/SmolLM2-135M-Instruct.Q4_1.gguf (else the quantkit cache),
 QUANTKIT_DATA=<texts dir>, QUANTKIT_PPL_WINDOWS (default 4 windows of 2048 tokens).
@@ -29,7 +33,8 @@ from quantkit.kernels.dispatch import kernel_forward  # noqa: E402
 from quantkit.runtime import QuantLinear  # noqa: E402
 from quantkit.runtime.generate import StaticGreedyDecoder  # noqa: E402
 
-LOGIT_REL_TOL = 1e-2
+KERNEL_NOISE_FACTOR = 4  # kernel error vs fp32 / the fp16 reference's error vs fp32
+FP16_NOISE_MAX = 5e-2  # above this the fp16 noise floor itself is suspect and excuses nothing
 MIN_TOKEN_AGREEMENT = 0.9
 STEPS = 48
 PROMPT = 16
@@ -128,6 +133,11 @@ def _teacher_forced_logits(model, ids, steps):
     return torch.stack(logits, dim=1).float()
 
 
+def _max_rel_error(logits, exact):
+    """Largest relative L2 error over (prompt, step) of logits [B, steps, V] against `exact`."""
+    return ((logits - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
+
+
 def _agreement(a, b):
     return (a == b).float().mean().item()
 
@@ -147,12 +157,21 @@ def test_kernels_generate_like_the_reference(name, bits, artifact):
                                  do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     ref_logits = _teacher_forced_logits(model, ref_seq, STEPS)
     assert len(set(ref_seq[0, PROMPT:].tolist())) > STEPS // 4  # a varied continuation, not one repeated token
+    # the same reference path in fp32 on the same GPU: the yardstick for fp16 rounding
+    exact_model = quantkit.load(artifact(name), device="cuda", dtype=torch.float32, bits=bits)
+    _use_kernels(exact_model, False)
+    exact = _teacher_forced_logits(exact_model, ref_seq, STEPS)
+    del exact_model
 
     _use_kernels(model, True)
     logits = _teacher_forced_logits(model, ref_seq, STEPS)
-    rel = ((logits - ref_logits).norm(dim=-1) / ref_logits.norm(dim=-1)).max().item()
+    noise = _max_rel_error(ref_logits, exact)
+    err = _max_rel_error(logits, exact)
     agree = _agreement(logits.argmax(-1), ref_logits.argmax(-1))
-    assert rel < LOGIT_REL_TOL, f"{name}: max relative logit error {rel:.2e}"
+    assert noise < FP16_NOISE_MAX, f"{name}: fp16 reference path {noise:.2e} away from fp32"
+    assert err <= KERNEL_NOISE_FACTOR * noise, (
+        f"{name}: kernel logits {err:.2e} from fp32, fp16 reference path {noise:.2e} "
+        f"(kernel vs fp16 reference {_max_rel_error(logits, ref_logits):.2e})")
     assert agree >= MIN_TOKEN_AGREEMENT, f"{name}: teacher-forced token agreement {agree:.3f}"
 
 

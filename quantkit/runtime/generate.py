@@ -106,12 +106,13 @@ def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, tem
 class StaticGreedyDecoder:
     """Greedy decoding of a batch of equal-length prompts, one decode step capturable in a CUDA graph.
 
-    Use: `dec = StaticGreedyDecoder(model, max_len)`; optionally `dec.capture()` (CUDA); then
-    `dec.generate(prompt_ids, n)`, or `dec.prefill(prompt_ids)` followed by `dec.steps(n)` to time
-    the two apart. `max_len` bounds prompt + generated tokens (the static cache's length; note that
-    attention then reads all max_len cached positions every step, masked, as with transformers'
-    own static cache). A captured graph freezes whatever the model did while capturing: capture
-    again after changing it (QuantLinear.set_bits, use_kernels, new weights).
+    Use: `dec = StaticGreedyDecoder(model, max_len)`; optionally `dec.capture()` (CUDA; also after
+    earlier generation, as it rewinds the cache first); then `dec.generate(prompt_ids, n)`, or
+    `dec.prefill(prompt_ids)` followed by `dec.steps(n)` to time the two apart. `max_len` bounds
+    prompt + generated tokens (the static cache's length; note that attention then reads all max_len
+    cached positions every step, masked, as with transformers' own static cache). A captured graph
+    freezes whatever the model did while capturing: capture again after changing it
+    (QuantLinear.set_bits, use_kernels, new weights).
     """
 
     def __init__(self, model, max_len, batch_size=1):
@@ -192,19 +193,32 @@ class StaticGreedyDecoder:
         return torch.cat([first, self.steps(new_tokens - 1)], dim=1) if new_tokens > 1 else first
 
     @torch.inference_mode()
+    def warm_up(self, n=2):
+        """Run n >= 1 throwaway decode steps from position 0 of an emptied cache: kernels do their one-time
+        work (lazy layout conversions) and the cache allocates its tensors here, not inside a capture.
+        The cache then holds junk: the next prefill resets it."""
+        if not 1 <= n < self.max_len:
+            raise QuantkitError(f"{n} warm-up steps do not fit a static cache of {self.max_len}")
+        # The StaticCache writes each step at its own device-side counter, not at self.pos: rewind both,
+        # or steps after an earlier generate() write past max_len (index_copy_ out of bounds)
+        self.cache.reset()
+        self.pos.zero_()
+        self.ids.zero_()
+        for _ in range(n):
+            self._step()
+        self.filled = self.max_len  # no steps() before the next prefill
+
+    @torch.inference_mode()
     def capture(self, warmup=2):
-        """Capture one decode step in a CUDA graph. The warm-up steps (which also let kernels do their
-        one-time work, e.g. lazy layout conversions, outside the capture) write junk into the cache;
-        the next prefill resets it."""
+        """Capture one decode step in a CUDA graph, after `warm_up(warmup)` on a side stream (as CUDA
+        graph capture wants). The captured step is recorded, not run; the next prefill resets the cache."""
         if self.device.type != "cuda":
             raise QuantkitError("CUDA graphs need the model on a CUDA device")
         self.graph = None
-        self.pos.zero_()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._step()
+            self.warm_up(warmup)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -23,6 +23,16 @@ def data_dir():
     return path
 
 
+@pytest.fixture(scope="module")
+def small_data(data_dir, tmp_path_factory):
+    """The first 3000 PTB train sentences: calibration windows without tokenizing all of PTB each run."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "ptb").mkdir()
+    lines = (data_dir / "ptb" / "ptb.train.txt").read_text().splitlines(keepends=True)[:3000]
+    (root / "ptb" / "ptb.train.txt").write_text("".join(lines))
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(data_dir):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

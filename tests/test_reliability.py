@@ -49,15 +49,6 @@ def quantize(model_dir, out, *args):
     return run("quantize", "--model", model_dir, "--out", out, "--device", "cpu", *args)
 
 
-@pytest.fixture(scope="module")
-def small_data(data_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    (root / "ptb").mkdir()
-    lines = (data_dir / "ptb" / "ptb.train.txt").read_text().splitlines(keepends=True)[:3000]
-    (root / "ptb" / "ptb.train.txt").write_text("".join(lines))
-    return root
-
-
 def calib(data, n=2, seqlen=32):
     return ["--calib", "ptb", "--nsamples", n, "--seqlen", seqlen, "--data-dir", data]
 

@@ -29,16 +29,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def small_data(data_dir, tmp_path_factory):
-    """The first 3000 PTB train sentences: calibration windows without tokenizing all of PTB each run."""
-    root = tmp_path_factory.mktemp("data")
-    (root / "ptb").mkdir()
-    lines = (data_dir / "ptb" / "ptb.train.txt").read_text().splitlines(keepends=True)[:3000]
-    (root / "ptb" / "ptb.train.txt").write_text("".join(lines))
-    return root
-
-
-@pytest.fixture(scope="module")
 def llama4_dir(tmp_path_factory, tiny_tokenizer):
     """A 4-layer tiny llama, so that kills can land before, between and after layers."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -24,7 +24,6 @@ after layer k is committed, or, with QUANTKIT_TEST_KILL_PHASE=uncommitted, after
 but before state.json is replaced.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from quantkit.artifact import file_digest
 from quantkit.errors import CheckpointError, StorageError
 
 STATE = "state.json"
@@ -47,14 +47,6 @@ KILLED_EXIT = 86
 def checkpoint_dir(out) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".partial")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _layer_file(index):
@@ -158,7 +150,7 @@ class LayerCheckpoint:
             return qtensors, entries
         for item in self.state["layers"]:
             path = self.dir / item["file"]
-            if not path.is_file() or _sha256(path) != item["sha256"]:
+            if not path.is_file() or file_digest(path) != item["sha256"]:
                 raise CheckpointError(f"{path}: checkpoint file missing or altered; pass --overwrite to start over")
             with safe_open(str(path), framework="pt") as fh:
                 meta = fh.metadata()
@@ -219,7 +211,7 @@ class LayerCheckpoint:
         def on_main():
             layers = [f for f in (self.state["layers"] if self.state else []) if f["file"] != _layer_file(index)]
             path = self.dir / _layer_file(index)
-            layers.append({"index": index, "file": path.name, "sha256": _sha256(path)})
+            layers.append({"index": index, "file": path.name, "sha256": file_digest(path)})
             inputs = []
             if next_inputs is not None:
                 for r in range(ranks.world_size):

@@ -44,8 +44,35 @@ def unavailable_reason(name):
     return _failures.get(name)
 
 
+CUDA_FLAGS = {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3", "-lineinfo"]}
+# no FP traps are used: -fno-trapping-math lets the division loops vectorise
+CPU_FLAGS = {"extra_cflags": ["-O3", "-fno-trapping-math", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
+
+
+def _compile(key, label, name, sources, flags, verbose):
+    """Build `sources` as module quantkit_<name> in a directory keyed by their bytes, the flags and
+    the torch version; None (warned, reason kept in _failures[key]) when the compiler fails."""
+    digest = hashlib.sha256()
+    for f in sources:
+        digest.update(f.read_bytes())
+    digest.update(repr(sorted(flags.items())).encode() + torch.__version__.encode())
+    build_dir = cache_root() / f"{key.replace(':', '-')}-{digest.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:
+        module = load_extension(name=f"quantkit_{name}", sources=[str(f) for f in sources],
+                                build_directory=str(build_dir), verbose=verbose, **flags)
+    except Exception as exc:  # a compiler error must not take the run down: fall back and say so
+        _failures[key] = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        warnings.warn(f"quantkit {label} {name!r} {_failures[key]}; using the PyTorch path")
+        module = None
+    _loaded[key] = module
+    return module
+
+
 def load(name, verbose=False):
-    """The compiled extension module `name`, or None (warned once) when it cannot be used."""
+    """The compiled CUDA extension `name`, or None (warned once) when it cannot be used."""
     if name in _loaded:
         return _loaded[name]
     reason = unavailable_reason(name)
@@ -54,33 +81,7 @@ def load(name, verbose=False):
         if torch.cuda.is_available() and os.environ.get("QUANTKIT_NO_KERNELS") != "1":
             warnings.warn(f"quantkit kernel {name!r} unavailable ({reason}); using the PyTorch path")
         return None
-    sources = sources_for(name)
-    digest = hashlib.sha256()
-    for f in sources:
-        digest.update(f.read_bytes())
-    build_dir = cache_root() / f"{name}-{digest.hexdigest()[:16]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils.cpp_extension import load as load_extension
-
-    try:
-        module = load_extension(
-            name=f"quantkit_{name}",
-            sources=[str(f) for f in sources],
-            build_directory=str(build_dir),
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "-lineinfo"],
-            verbose=verbose,
-        )
-    except Exception as exc:  # a compiler error must not take the run down: fall back and say so
-        _failures[name] = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-        warnings.warn(f"quantkit kernel {name!r} {_failures[name]}; using the PyTorch path")
-        module = None
-    _loaded[name] = module
-    return module
-
-
-CPU_CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]  # no FP traps are used: lets the division loops vectorise
-CPU_LDFLAGS = ["-fopenmp"]
+    return _compile(name, "kernel", name, sources_for(name), CUDA_FLAGS, verbose)
 
 
 def load_cpu(name, verbose=False):
@@ -97,18 +98,4 @@ def load_cpu(name, verbose=False):
         warnings.warn(f"quantkit CPU extension {name!r} unavailable ({_failures[key]}); using the PyTorch path")
         _loaded[key] = None
         return None
-    digest = hashlib.sha256(source.read_bytes())
-    digest.update(" ".join(CPU_CFLAGS + CPU_LDFLAGS + [torch.__version__]).encode())
-    build_dir = cache_root() / f"{name}-cpu-{digest.hexdigest()[:16]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils.cpp_extension import load as load_extension
-
-    try:
-        module = load_extension(name=f"quantkit_{name}", sources=[str(source)], build_directory=str(build_dir),
-                                extra_cflags=CPU_CFLAGS, extra_ldflags=CPU_LDFLAGS, verbose=verbose)
-    except Exception as exc:  # a compiler error must not take the run down: fall back and say so
-        _failures[key] = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-        warnings.warn(f"quantkit CPU extension {name!r} {_failures[key]}; using the PyTorch path")
-        module = None
-    _loaded[key] = module
-    return module
+    return _compile(key, "CPU extension", name, [source], CPU_FLAGS, verbose)

@@ -77,19 +77,37 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     w = weight.clone() if perm is None else weight[:, perm]
     scales = torch.empty(k, groups, dtype=w.dtype, device=w.device)
     zeros = torch.empty_like(scales)
+    col_group = None  # static groups: the group of each processed column
     if static_groups:  # from the original weights, original column order
         for j in range(groups):
             scales[:, j], zeros[:, j] = uniform_params(weight[:, j * g : (j + 1) * g], bits, sym, clip_search)
         orig = range(d) if perm is None else perm.tolist()
-        col_group = [c // g for c in orig]  # group of each processed column
+        col_group = [c // g for c in orig]
     codes = torch.empty(k, d, dtype=torch.int64, device=w.device)
-    loss = torch.zeros((), dtype=w.dtype, device=w.device)
 
-    # issue 7 (k-OOC kernel): on CUDA the fused kernel runs this column loop (kernels/gptq_cuda.py);
-    # None = not available, run the PyTorch loop below (the reference)
-    fused = gptq_cuda.gptq_columns(w, h_inv, bits, g, sym, scales, zeros, codes, block_size,
-                                   col_group if static_groups else None, clip_search) if w.is_cuda else None
-    for i1 in range(0, d, block_size) if fused is None else ():
+    # on CUDA the fused k-OOC kernel runs the column loop (kernels/gptq_cuda.py); None = unavailable
+    loss = gptq_cuda.gptq_columns(w, h_inv, bits, g, sym, scales, zeros, codes, block_size, col_group,
+                                  clip_search) if w.is_cuda else None
+    if loss is None:
+        loss = _column_loop(w, h_inv, bits, g, sym, scales, zeros, codes, block_size, col_group, clip_search)
+
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes = codes[:, inv]
+        if not static_groups and groups > 1:
+            g_idx = inv // g  # original column -> group of its processing position
+    return codes, scales, zeros, g_idx, loss
+
+
+def _column_loop(w, h_inv, bits, g, sym, scales, zeros, codes, block_size, col_group, clip_search):
+    """The PyTorch GPTQ column loop (the reference the CUDA kernel is held to): quantizes w [k, d] in
+    place column by column, filling codes and, for dynamic groups (col_group None), scales/zeros;
+    returns the summed OBS loss."""
+    d = w.shape[1]
+    static_groups = col_group is not None
+    loss = torch.zeros((), dtype=w.dtype, device=w.device)
+    for i1 in range(0, d, block_size):
         i2 = min(i1 + block_size, d)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
@@ -116,16 +134,7 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
             err1[:, i] = e
         loss += err1.pow(2).sum() / 2  # the OBS losses (w - q)²/U_ii² / 2 of this block
         w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
-    if fused is not None:
-        loss = fused
-
-    g_idx = None
-    if perm is not None:
-        inv = torch.argsort(perm)
-        codes = codes[:, inv]
-        if not static_groups and groups > 1:
-            g_idx = inv // g  # original column -> group of its processing position
-    return codes, scales, zeros, g_idx, loss
+    return loss
 
 
 @register_method

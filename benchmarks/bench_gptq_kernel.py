@@ -20,6 +20,7 @@ TF32 is off: every path computes in fp32.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -92,6 +93,16 @@ def make_layer(k, d, seed=0):
     return h, w, u
 
 
+@contextlib.contextmanager
+def plain_fp32_updates():
+    """The kernel path with its lazy updates as plain fp32 SGEMMs instead of 3xTF32 (the comparison)."""
+    previous, gptq_cuda.split_tf32 = gptq_cuda.split_tf32, False
+    try:
+        yield
+    finally:
+        gptq_cuda.split_tf32 = previous
+
+
 def gemm_only(k, d, u, repeats):
     """The kernel path's lazy-update GEMMs alone (same shapes, dummy data): the part cuBLAS does."""
     work = torch.randn(k, d, device="cuda")
@@ -122,14 +133,19 @@ def gptq_row(label, k, d, h, w, u, rate, args):
     got = got[0]
     t_torch, m_torch, ref = measure(pytorch, 1 if d >= 4096 else 2, keep=True)
     agree = (got == ref[0]).double().mean().item()
-    del got, ref
+    with plain_fp32_updates():
+        t_fp32, _, got32 = measure(kernel, args.repeats, keep=True)
+    agree_fp32 = (got32[0] == ref[0]).double().mean().item()
+    del got, ref, got32
     floor = gptq_cuda.gptq_flops(k, d) / rate
     row = {"shape": label, "k": k, "d": d, "kernel_s": t_kernel, "pytorch_s": t_torch, "speedup": t_torch / t_kernel,
            "floor_s": floor, "kernel_over_floor": t_kernel / floor, "gemm_only_s": gemm_only(k, d, u, args.repeats),
            "peak_kernel_bytes": m_kernel, "peak_pytorch_bytes": m_torch, "codes_agree": agree,
+           "kernel_fp32_gemm_s": t_fp32, "codes_agree_fp32_gemm": agree_fp32,
            "threads_per_row": gptq_cuda.threads_per_row(k)}
-    print(f"  k-OOC(0) {label}: kernel {t_kernel * 1e3:.2f} ms, PyTorch {t_torch * 1e3:.1f} ms "
-          f"({row['speedup']:.1f}x), floor {floor * 1e3:.2f} ms", flush=True)
+    print(f"  k-OOC(0) {label}: kernel {t_kernel * 1e3:.2f} ms (fp32-GEMM updates {t_fp32 * 1e3:.2f} ms), "
+          f"PyTorch {t_torch * 1e3:.1f} ms ({row['speedup']:.1f}x), floor {floor * 1e3:.2f} ms, "
+          f"codes agree {agree:.5f} (fp32-GEMM {agree_fp32:.5f})", flush=True)
     return row
 
 
@@ -180,8 +196,12 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
     for s in scans:
         c, mask = counts[s], masks[s]
         fractions = (mask.to(torch.uint8).argmax(dim=1) // GROUP * GROUP).float().div(d).tolist()
-        t_kernel, m_kernel = measure(lambda: drain(gptq_cuda.ooc_stream(w.expand(c, -1, -1), u, BITS, BITS, GROUP,
-                                                                        False, mask)), args.repeats)
+        def scan():
+            drain(gptq_cuda.ooc_stream(w.expand(c, -1, -1), u, BITS, BITS, GROUP, False, mask))
+
+        t_kernel, m_kernel = measure(scan, args.repeats)
+        with plain_fp32_updates():
+            t_fp32, _ = measure(scan, 1)
         if c in batch:
             t_batch, m_batch, batch_exact = *batch[c], True
         else:  # linear in the candidate count through the two largest measured counts
@@ -200,10 +220,12 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
                "batch_s": t_batch, "batch_measured": batch_exact, "naive_s": t_naive * c / n_naive,
                "naive_measured": c == n_naive, "speedup_batch": t_batch / t_kernel,
                "speedup_naive": t_naive * c / n_naive / t_kernel, "work_units": units, "floor_s": floor,
-               "kernel_over_floor": t_kernel / floor, "peak_kernel_bytes": m_kernel, "peak_batch_bytes": m_batch,
+               "kernel_over_floor": t_kernel / floor, "kernel_fp32_gemm_s": t_fp32,
+               "peak_kernel_bytes": m_kernel, "peak_batch_bytes": m_batch,
                "peak_naive_bytes": m_naive}
         rows.append(row)
-        print(f"  k-OOC({s}) {label}: {c} candidates, kernel {t_kernel * 1e3:.1f} ms, batch {t_batch:.2f} s"
+        print(f"  k-OOC({s}) {label}: {c} candidates, kernel {t_kernel * 1e3:.1f} ms "
+              f"(fp32-GEMM updates {t_fp32 * 1e3:.1f} ms), batch {t_batch:.2f} s"
               f"{'' if batch_exact else ' (extrap.)'}, naive {row['naive_s']:.2f} s"
               f"{'' if row['naive_measured'] else ' (extrap.)'}", flush=True)
     return rows
@@ -230,16 +252,17 @@ def tables(gptq, ooc, sweep, meta):
     lines = [f"Device {meta['device']}, torch {meta['torch']}, fp32 GEMM rate {meta['sgemm_tflops']:.1f} TFLOP/s "
              f"(TF32 off), {meta['date']}.", "",
              "| shape (out x in) | kernel ms | PyTorch GPTQ ms | speedup | floor ms | kernel/floor | GEMM-only ms "
-             "| peak MiB kernel / PyTorch | codes agree |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak MiB kernel / PyTorch | codes agree | kernel ms, fp32-SGEMM updates | codes agree, fp32-SGEMM |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in gptq:
         agree = f"{100 * r['codes_agree']:.3f} %"
         lines.append(f"| {r['shape']} | {r['kernel_s'] * 1e3:.2f} | {r['pytorch_s'] * 1e3:.1f} | {r['speedup']:.1f}x "
                      f"| {r['floor_s'] * 1e3:.2f} | {r['kernel_over_floor']:.1f} | {r['gemm_only_s'] * 1e3:.2f} "
-                     f"| {r['peak_kernel_bytes'] / MiB:.0f} / {r['peak_pytorch_bytes'] / MiB:.0f} | {agree} |")
+                     f"| {r['peak_kernel_bytes'] / MiB:.0f} / {r['peak_pytorch_bytes'] / MiB:.0f} | {agree} "
+                     f"| {r['kernel_fp32_gemm_s'] * 1e3:.2f} | {100 * r['codes_agree_fp32_gemm']:.3f} % |")
     lines += ["", "| shape (out x in) | s | cands | kernel ms | p-OOC-Batch s | p-OOC-Naive s | x Batch | x Naive "
-              "| work (GPTQ runs) | floor ms | kernel/floor | peak MiB kernel / Batch / Naive |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| work (GPTQ runs) | floor ms | kernel/floor | peak MiB kernel / Batch / Naive | kernel ms, fp32-SGEMM |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ooc:
         b, n = r["batch_measured"], r["naive_measured"]
         cells = [r["shape"], str(r["scan"]), str(r["candidates"]), f"{r['kernel_s'] * 1e3:.1f}",
@@ -247,7 +270,7 @@ def tables(gptq, ooc, sweep, meta):
                  mark(f"{r['speedup_batch']:.0f}x", b), mark(f"{r['speedup_naive']:.0f}x", n),
                  f"{r['work_units']:.1f}", f"{r['floor_s'] * 1e3:.1f}", f"{r['kernel_over_floor']:.1f}",
                  f"{r['peak_kernel_bytes'] / MiB:.0f} / " + mark(f"{r['peak_batch_bytes'] / MiB:.0f}", b)
-                 + f" / {r['peak_naive_bytes'] / MiB:.0f}"]
+                 + f" / {r['peak_naive_bytes'] / MiB:.0f}", f"{r['kernel_fp32_gemm_s'] * 1e3:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if sweep:
         lines += ["", "| shape | threads per row | kernel ms |", "|---|---:|---:|"]

@@ -401,11 +401,6 @@ def test_cuda_graph_capture_replays_the_kernel(ext):
     assert _rel_err(out, _reference(qt, x, 3)) < REL_TOL
 
 
-# Known defect (BENCHMARKS.md, issue 8): on the H100 a failing argument check inside the extension
-# kills the process with SIGSEGV instead of raising, which would take the rest of this file with it.
-# Kept runnable for whoever debugs it: QUANTKIT_RUN_CRASHING_TESTS=1.
-@pytest.mark.skipif(os.environ.get("QUANTKIT_RUN_CRASHING_TESTS") != "1",
-                    reason="known defect: the extension segfaults on a failing argument check")
 def test_bad_arguments_are_refused_with_the_shapes(ext):
     qt = _artifact(32, 128, 3, 4, device="cuda")
     planes = ag.kernel_layout(qt.planes)

@@ -174,7 +174,7 @@ def test_driver_ooc_equals_pytorch_fp64(emulated, fork, budget_units):
         ref = ooc_gptq(wc, u, 2, 3, g, False, mask, 64)
     budget = None
     if budget_units is not None:
-        budget = gptq_cuda.unit_bytes(k, d, num_groups(d, g), 8) * budget_units + 4 * k * d * 8
+        budget = gptq_cuda.unit_bytes(k, d, num_groups(d, g), 8) * budget_units + gptq_cuda.transient_bytes(k, d, 8)
     got = gptq_cuda.ooc_columns(wc, u, 2, 3, g, False, mask, 64, budget=budget, fork=fork)
     for name, a, b in zip(("codes", "scales", "zeros", "hscales", "hzeros", "dq"), got, ref):
         assert torch.equal(a, b), name
@@ -215,7 +215,7 @@ def test_memory_plan():
     k, d, groups = 4096, 4096, 32
     per = gptq_cuda.unit_bytes(k, d, groups, 4)
     assert per == k * d * 5 + k * 4 * (gptq_cuda.TILE + 2 * groups + 3)
-    assert gptq_cuda.candidate_chunk(k, d, groups, 4, 10 * per + 4 * k * d * 4) == 10
+    assert gptq_cuda.candidate_chunk(k, d, groups, 4, 10 * per + gptq_cuda.transient_bytes(k, d, 4)) == 10
     assert gptq_cuda.candidate_chunk(k, d, groups, 4, 0) == 1  # never refuses to run
     assert not gptq_cuda.fork_pays([0.5])  # one candidate: the base costs what it saves
     assert gptq_cuda.fork_pays([0.0, 0.5, 0.9]) and not gptq_cuda.fork_pays([0.0, 0.0])
@@ -317,7 +317,7 @@ def test_ooc_kernel_matches_pytorch(kernel, poisoned, dtype, high, sym, fork, ch
         ref = ooc_gptq(wc, u, 2, high, g, sym, mask)
     budget = None
     if chunk is not None:
-        budget = gptq_cuda.unit_bytes(k, d, num_groups(d, g), w.element_size()) * chunk + 4 * k * d * w.element_size()
+        budget = gptq_cuda.unit_bytes(k, d, num_groups(d, g), w.element_size()) * chunk + gptq_cuda.transient_bytes(k, d, w.element_size())
     got = gptq_cuda.ooc_columns(wc, u, 2, high, g, sym, mask, budget=budget, fork=fork)
     for name, a, b in zip(("codes", "scales", "zeros", "hscales", "hzeros"), got, ref):
         assert agreement(a, b) >= AGREE, name

@@ -377,11 +377,6 @@ def test_dequantize_is_exact(ops, k, d, q, g, offset, dtype):
     assert torch.equal(out, qt.dequantize(dtype))
 
 
-# Known defect (BENCHMARKS.md, issue 8): on the H100 a failing argument check inside the extension
-# kills the process with SIGSEGV instead of raising, which would take the rest of this file with it.
-# Kept runnable for whoever debugs it: QUANTKIT_RUN_CRASHING_TESTS=1.
-@pytest.mark.skipif(os.environ.get("QUANTKIT_RUN_CRASHING_TESTS") != "1",
-                    reason="known defect: the extension segfaults on a failing argument check")
 @gpu
 def test_errors_name_the_problem(ops):
     qt = make_bcq(64, 128, 2, 32, offset=True, device="cuda")

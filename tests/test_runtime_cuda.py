@@ -36,6 +36,7 @@ from quantkit.runtime.generate import StaticGreedyDecoder  # noqa: E402
 KERNEL_NOISE_FACTOR = 4  # kernel error vs fp32 / the fp16 reference's error vs fp32
 FP16_NOISE_MAX = 5e-2  # above this the fp16 noise floor itself is suspect and excuses nothing
 MIN_TOKEN_AGREEMENT = 0.9
+NEAR_TIE = 1e-2  # logit gap, relative to the largest logit, that fp16 rounding may flip
 STEPS = 48
 PROMPT = 16
 
@@ -133,6 +134,22 @@ def _teacher_forced_logits(model, ids, steps):
     return torch.stack(logits, dim=1).float()
 
 
+def _assert_same_until_near_tie(model, prompt, a, b, what):
+    """Greedy continuations a, b [1, STEPS] must be equal up to their first difference, and there the
+    two tokens must be a near-tie of that step's logits: rounding can flip a near-tie, after which
+    the contexts differ and later tokens say nothing. A wrong kernel differs early, by a wide gap."""
+    diff = (a != b).nonzero()
+    if len(diff) == 0:
+        return
+    step = diff[0, 1].item()
+    with torch.inference_mode():
+        logits = model(torch.cat([prompt, a[:, :step]], dim=1)).logits[0, -1].float()
+    gap = (logits[a[0, step]] - logits[b[0, step]]).abs().item()
+    scale = logits.abs().max().item()
+    assert gap <= NEAR_TIE * scale, (f"{what}: first different token at step {step} of {a.shape[1]} with a logit "
+                                     f"gap of {gap:.3e} (largest logit {scale:.3e}): not a rounding tie")
+
+
 def _max_rel_error(logits, exact):
     """Largest relative L2 error over (prompt, step) of logits [B, steps, V] against `exact`."""
     return ((logits - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
@@ -188,10 +205,11 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     with torch.inference_mode():
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=STEPS, do_sample=False,
                               use_cache=True, pad_token_id=0, eos_token_id=None)[:, PROMPT:]
-    # same kernels in both: equal unless a kernel's reduction order varies between runs (atomics)
-    assert _agreement(graphed, eager) >= MIN_TOKEN_AGREEMENT
-    assert _agreement(again, graphed) >= MIN_TOKEN_AGREEMENT
-    assert _agreement(eager, want) >= MIN_TOKEN_AGREEMENT
+    # same kernels in all three: equal except where a near-tie flips (the LUT kernel's stream-K adds
+    # fp32 partial sums with atomics, so its rounding can differ between two runs of one graph)
+    _assert_same_until_near_tie(model, prompt, eager, graphed, "graph vs eager")
+    _assert_same_until_near_tie(model, prompt, graphed, again, "graph replayed twice")
+    _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
 
 
 def test_graph_recaptured_after_set_bits(artifact):

@@ -45,6 +45,8 @@ def unavailable_reason(name):
 
 
 CUDA_FLAGS = {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3", "-lineinfo"]}
+# extra nvcc flags for experiments (e.g. QUANTKIT_KERNEL_DEFINES="-DAP_MIN_BLOCKS=3"); part of the cache key
+EXTRA_CUDA_ENV = "QUANTKIT_KERNEL_DEFINES"
 # no FP traps are used: -fno-trapping-math lets the division loops vectorise
 CPU_FLAGS = {"extra_cflags": ["-O3", "-fno-trapping-math", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
 
@@ -53,7 +55,7 @@ def _compile(key, label, name, sources, flags, verbose):
     """Build `sources` as module quantkit_<name> in a directory keyed by their bytes, the flags and
     the torch version; None (warned, reason kept in _failures[key]) when the compiler fails."""
     digest = hashlib.sha256()
-    for f in sources:
+    for f in [*sources, *sorted(CSRC.glob("*.h"))]:  # shared headers (check.h) are part of every build
         digest.update(f.read_bytes())
     digest.update(repr(sorted(flags.items())).encode() + torch.__version__.encode())
     build_dir = cache_root() / f"{key.replace(':', '-')}-{digest.hexdigest()[:16]}"
@@ -81,7 +83,11 @@ def load(name, verbose=False):
         if torch.cuda.is_available() and os.environ.get("QUANTKIT_NO_KERNELS") != "1":
             warnings.warn(f"quantkit kernel {name!r} unavailable ({reason}); using the PyTorch path")
         return None
-    return _compile(name, "kernel", name, sources_for(name), CUDA_FLAGS, verbose)
+    flags = CUDA_FLAGS
+    extra = os.environ.get(EXTRA_CUDA_ENV, "").split()
+    if extra:
+        flags = {**CUDA_FLAGS, "extra_cuda_cflags": CUDA_FLAGS["extra_cuda_cflags"] + extra}
+    return _compile(name, "kernel", name, sources_for(name), flags, verbose)
 
 
 def load_cpu(name, verbose=False):

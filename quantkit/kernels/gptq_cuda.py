@@ -11,7 +11,9 @@ The columns are walked in tiles (tile_plan); per tile one kernel launch runs the
 active row and leaves the tile's errors E in a buffer, then one GEMM applies them to the columns after it,
     W[:, i2:] -= E @ U[i1:i2, i2:]        (addmm_, in place)
 which is gptq_quantize's blocked loop with the same blocks (when g divides the block size or the block size
-divides g) and the same arithmetic per op, so codes match the PyTorch loop up to floating-point ties.
+divides g). In fp32 that GEMM runs as 3xTF32 on the tensor cores (lazy_update: fp32-grade accuracy, about
+2⁻²² relative), so codes match the PyTorch loop up to floating-point ties; split_tf32 = False gives the
+plain fp32 GEMM, which is what fp64 runs always use.
 
 Forking (OOC). A candidate is plain GPTQ(l) until its odd group starts: same weights, same updates. So the
 candidates of a chunk fork from one shared GPTQ(l) unit, the base: a candidate becomes active at the start
@@ -53,6 +55,7 @@ _enabled = True
 emulator = None  # tests: a PyTorch stand-in for the compiled module (same `tile` contract), to check this driver on CPU
 poison = False  # tests: fill every buffer with NaN / 255 before a run, so unwritten elements show
 tpr_override = None  # benchmarks: force threads per row (4, 8, 16 or 32)
+split_tf32 = True  # fp32 lazy updates as 3xTF32 (lazy_update); False = plain fp32 SGEMM (benchmarks compare)
 launches = {"calls": 0, "tiles": 0}  # what ran through the kernel (tests and benchmarks read it)
 
 
@@ -117,14 +120,20 @@ def fork_pays(fractions):
 
 
 def unit_bytes(k, d, groups, itemsize):
-    """Device bytes one unit holds during a run (b in the module notes)."""
-    return k * d * (itemsize + 1) + k * itemsize * (TILE + 2 * groups + 3)
+    """Device bytes one unit holds during a run (b in the module notes; + 5 tiles of split operands and
+    their temporaries with the 3xTF32 update)."""
+    split_tiles = 5 if split_tf32 and itemsize == 4 else 0
+    return k * d * (itemsize + 1) + k * itemsize * ((1 + split_tiles) * TILE + 2 * groups + 3)
+
+
+def transient_bytes(k, d, itemsize):
+    """t in the module notes (+ U's two TF32 halves with the 3xTF32 update)."""
+    return 4 * k * d * itemsize + (2 * d * d * itemsize if split_tf32 and itemsize == 4 else 0)
 
 
 def candidate_chunk(k, d, groups, itemsize, budget):
     """Units that fit in `budget` bytes at once (at least 1: a run never refuses to start)."""
-    transient = 4 * k * d * itemsize
-    return max(1, int((budget - transient) // unit_bytes(k, d, groups, itemsize)))
+    return max(1, int((budget - transient_bytes(k, d, itemsize)) // unit_bytes(k, d, groups, itemsize)))
 
 
 def free_budget(device):
@@ -176,6 +185,7 @@ def _walk(mod, work, u, buf, k, starts, stops, bits, g, sym, block_size, clear=N
     on the tiles in [starts[m], stops[m]); a unit starting after column 0 forks from unit 0 there. The
     active units of every tile must be consecutive (callers order them by start)."""
     n, d = len(starts), work.shape[1]
+    u_update = _SplitU(u, work.shape[0]) if uses_split(work) else u
     tiles = tile_plan(d, g if col_group is None else None, block_size, set(starts) | set(stops))
     for i1, i2 in tiles:
         for m in range(1, n):
@@ -193,10 +203,57 @@ def _walk(mod, work, u, buf, k, starts, stops, bits, g, sym, block_size, clear=N
                  threads_per_row(r1 - r0))
         launches["tiles"] += 1
         if i2 < d:  # the lazy update of everything after the tile: one GEMM (cuBLAS)
-            work[r0:r1, i2:].addmm_(buf.err[r0:r1, : i2 - i1], u[i1:i2, i2:], alpha=-1)
+            lazy_update(work[r0:r1, i2:], buf.err[r0:r1, : i2 - i1], u_update, i1, i2)
     for m in range(1, n):  # a unit that never became active (starts at d) is unit 0's result
         if starts[m] >= d:
             _fork(buf, work, k, 0, m, d, g)
+
+
+def _tf32_split(t):
+    """t = hi + lo with hi exactly representable in TF32 (10 explicit mantissa bits, rounded to nearest)."""
+    hi = (t.view(torch.int32) + 0x1000).bitwise_and_(-0x2000).view(torch.float32)
+    return hi, t - hi
+
+
+class _SplitU:
+    """U's TF32 halves for the 3xTF32 update, made once per walk, and the [rows, 3·TILE] operand buffer
+    the tiles reuse."""
+
+    def __init__(self, u, rows):
+        self.hi, self.lo = _tf32_split(u)
+        self.a = torch.empty(rows, 3 * TILE, dtype=u.dtype, device=u.device)
+
+
+def uses_split(t):
+    return split_tf32 and t.is_cuda and t.dtype == torch.float32
+
+
+def lazy_update(dst, err, u, i1, i2):
+    """dst -= err @ U[i1:i2, i2:] (dst = the columns after the tile).
+
+    fp32 on CUDA with split_tf32: one TF32 tensor-core GEMM of K = 3·(i2 − i1) on the split operands,
+    [e_hi, e_hi, e_lo] @ [u_hi; u_lo; u_hi], which leaves out only e_lo·u_lo (~2⁻²² relative, against
+    fp32's 2⁻²⁴ rounding), i.e. fp32-grade accuracy at tensor-core speed (the "3xTF32" scheme). The
+    update streams all of dst once per tile either way; the split makes its arithmetic cheaper than
+    that traffic. Anything else (fp64, CPU, split_tf32 off): the plain addmm_ of the reference loop.
+    """
+    if not isinstance(u, _SplitU):
+        dst.addmm_(err, u[i1:i2, i2:], alpha=-1)
+        return
+    rows, w = err.shape
+    a = u.a[:rows, : 3 * w].view(rows, 3, w)
+    e_hi, e_lo = _tf32_split(err)
+    a[:, 0] = e_hi
+    a[:, 1] = e_hi
+    a[:, 2] = e_lo
+    a = a.view(rows, 3 * w)
+    b = torch.cat([u.hi[i1:i2, i2:], u.lo[i1:i2, i2:], u.hi[i1:i2, i2:]], dim=0)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        dst.addmm_(a, b, alpha=-1)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _supported(bits, *more_bits):

@@ -65,6 +65,8 @@
 
 #ifndef ANYPREC_DECODE_ONLY  // for the PyTorch ops at the end; the CPU decode harness builds without torch
 #include <ATen/core/Tensor.h>
+
+#include "check.h"
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // the stream c10::cuda::getCurrentCUDAStream() returns, without cuBLAS headers
@@ -544,8 +546,18 @@ template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// Resident blocks per SM the register allocation must allow. Measured on the H100 (2026-11-24):
+// 3 blocks help k <= 3 with one tile (28672x8192 batch 1: 61.3 vs 64.3 us) and hurt every other
+// instance (k = 4: 89 vs 80 us), which needs its registers.
+#ifndef AP_MIN_BLOCKS_SMALL
+#define AP_MIN_BLOCKS_SMALL 3
+#endif
+#ifndef AP_MIN_BLOCKS
+#define AP_MIN_BLOCKS 2
+#endif
+
 template <int K, typename T, int TILES, int FLAGS>
-__global__ void __launch_bounds__(kThreads, 2) matvec_kernel(const MatvecArgs args) {
+__global__ void __launch_bounds__(kThreads, (K <= 3 && TILES == 1) ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS) matvec_kernel(const MatvecArgs args) {
   using C = Config<K, TILES, FLAGS>;
   constexpr int V = C::V;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -790,8 +802,7 @@ int launch_dequant(int dtype, int k, const uint32_t* planes, int M, int W, int w
 // ---------------------------------------------------------------------------------------------
 // PyTorch ops (bound in anyprec.cpp): argument checks (shape, dtype, device, layout) before any
 // launch, launch on the current stream, launcher status codes turned into messages. They live
-// here, in the nvcc-compiled unit, like gptq.cu's: their failed TORCH_CHECKs raise a Python
-// RuntimeError, where the same checks in the g++-compiled binding unit crashed the process.
+// here, in the nvcc-compiled unit; their checks are QK_CHECKs (check.h says why).
 
 namespace {
 
@@ -812,19 +823,19 @@ std::string status_text(int rc) {
 }
 
 void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, int64_t words) {
-  TORCH_CHECK(planes.is_cuda() && planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),
+  QK_CHECK(planes.is_cuda() && planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),
               "anyprec: planes must be a contiguous CUDA int32 tensor [n, M, words], got ", planes.sizes(), " ",
               planes.scalar_type(), planes.is_cuda() ? "" : " on CPU");
-  TORCH_CHECK(k >= 1 && k <= 8 && k <= planes.size(0), "anyprec: bits=", k, " needs 1..8 and at most the ",
+  QK_CHECK(k >= 1 && k <= 8 && k <= planes.size(0), "anyprec: bits=", k, " needs 1..8 and at most the ",
               planes.size(0), " stored planes");
-  TORCH_CHECK(words >= 1 && words <= planes.size(2), "anyprec: words=", words, " but planes hold ", planes.size(2),
+  QK_CHECK(words >= 1 && words <= planes.size(2), "anyprec: words=", words, " but planes hold ", planes.size(2),
               " words per row");
-  TORCH_CHECK(lut.is_cuda() && lut.scalar_type() == at::kHalf && lut.dim() == 2 && lut.is_contiguous() &&
+  QK_CHECK(lut.is_cuda() && lut.scalar_type() == at::kHalf && lut.dim() == 2 && lut.is_contiguous() &&
                   lut.size(0) == planes.size(1) && lut.size(1) == (int64_t(1) << k),
               "anyprec: lut must be a contiguous CUDA fp16 tensor [", planes.size(1), ", ", int64_t(1) << k,
               "] for bits=", k, ", got ", lut.sizes(), " ", lut.scalar_type());
-  TORCH_CHECK(lut.device() == planes.device(), "anyprec: lut on ", lut.device(), " but planes on ", planes.device());
-  TORCH_CHECK(planes.size(1) <= INT32_MAX && planes.size(2) <= INT32_MAX, "anyprec: planes too large");
+  QK_CHECK(lut.device() == planes.device(), "anyprec: lut on ", lut.device(), " but planes on ", planes.device());
+  QK_CHECK(planes.size(1) <= INT32_MAX && planes.size(2) <= INT32_MAX, "anyprec: planes too large");
 }
 
 }  // namespace
@@ -837,41 +848,41 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
                           int64_t tiles) {
   check_planes(planes, lut, k, words);
   const int dt = dtype_code(x);
-  TORCH_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
+  QK_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
               "anyprec.matvec: x must be a contiguous CUDA fp16/bf16 tensor [B, columns], got ", x.sizes(), " ",
               x.scalar_type());
-  TORCH_CHECK(x.device() == planes.device(), "anyprec.matvec: x on ", x.device(), " but planes on ", planes.device());
+  QK_CHECK(x.device() == planes.device(), "anyprec.matvec: x on ", x.device(), " but planes on ", planes.device());
   const int64_t B = x.size(0), M = planes.size(1);
-  TORCH_CHECK(B >= 1 && B <= anyprec::kMaxBatch, "anyprec.matvec: batch ", B, " outside 1..", anyprec::kMaxBatch);
-  TORCH_CHECK(x.size(1) >= 32 * words && x.size(1) % 4 == 0,
+  QK_CHECK(B >= 1 && B <= anyprec::kMaxBatch, "anyprec.matvec: batch ", B, " outside 1..", anyprec::kMaxBatch);
+  QK_CHECK(x.size(1) >= 32 * words && x.size(1) % 4 == 0,
               "anyprec.matvec: x has ", x.size(1), " columns; needs >= 32 * words = ", 32 * words,
               " and a multiple of 4 (pad in_features to whole words)");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0, "anyprec.matvec: x must be 8-byte aligned");
-  TORCH_CHECK(planes.size(2) % 4 == 0, "anyprec.matvec: planes have ", planes.size(2),
+  QK_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0, "anyprec.matvec: x must be 8-byte aligned");
+  QK_CHECK(planes.size(2) % 4 == 0, "anyprec.matvec: planes have ", planes.size(2),
               " words per row; the kernel reads 16-byte vectors and needs a multiple of 4 (use kernel_layout)");
-  TORCH_CHECK(out.is_cuda() && out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
+  QK_CHECK(out.is_cuda() && out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == B && out.size(1) == M && out.device() == x.device(),
               "anyprec.matvec: out must be a contiguous ", x.scalar_type(), " tensor [", B, ", ", M, "] on ",
               x.device(), ", got ", out.sizes(), " ", out.scalar_type());
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
-    TORCH_CHECK(b.is_cuda() && b.scalar_type() == x.scalar_type() && b.dim() == 1 && b.size(0) == M &&
+    QK_CHECK(b.is_cuda() && b.scalar_type() == x.scalar_type() && b.dim() == 1 && b.size(0) == M &&
                     b.is_contiguous() && b.device() == x.device(),
                 "anyprec.matvec: bias must be a contiguous ", x.scalar_type(), " tensor [", M, "] on ", x.device(),
                 ", got ", b.sizes(), " ", b.scalar_type());
     bias_ptr = b.data_ptr();
   }
-  TORCH_CHECK(anyprec::has_matvec(dt, int(k), int(tiles), int(flags)), "anyprec.matvec: no kernel built for dtype=",
+  QK_CHECK(anyprec::has_matvec(dt, int(k), int(tiles), int(flags)), "anyprec.matvec: no kernel built for dtype=",
               x.scalar_type(), " bits=", k, " tiles=", tiles, " flags=", flags);
-  TORCH_CHECK(x.size(1) <= INT32_MAX / 2, "anyprec.matvec: x row too long");
+  QK_CHECK(x.size(1) <= INT32_MAX / 2, "anyprec.matvec: x row too long");
 
   const c10::cuda::CUDAGuard guard(x.device());
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),
                         int(M), int(words), int(planes.size(2)), reinterpret_cast<const uint16_t*>(lut.data_ptr()),
                         bias_ptr, out.data_ptr(), {}};
   const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc), ") for x ", x.sizes(), ", planes ", planes.sizes(),
+  QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc), ") for x ", x.sizes(), ", planes ", planes.sizes(),
               ", bits=", k, ", words=", words, ", tiles=", tiles, ", flags=", flags);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -882,11 +893,11 @@ at::Tensor anyprec_dequantize(const at::Tensor& planes, const at::Tensor& lut, i
                               const at::Tensor& out) {
   const int64_t words = (in_features + 31) / 32;
   check_planes(planes, lut, k, words);
-  TORCH_CHECK(planes.size(2) == words, "anyprec.dequantize: planes have ", planes.size(2), " words per row but ",
+  QK_CHECK(planes.size(2) == words, "anyprec.dequantize: planes have ", planes.size(2), " words per row but ",
               in_features, " columns need ", words, " (natural layout)");
   const int dt = dtype_code(out);
   const int64_t M = planes.size(1);
-  TORCH_CHECK(out.is_cuda() && dt >= 0 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
+  QK_CHECK(out.is_cuda() && dt >= 0 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
                   out.size(1) == in_features && out.device() == planes.device(),
               "anyprec.dequantize: out must be a contiguous fp16/bf16/fp32 tensor [", M, ", ", in_features, "] on ",
               planes.device(), ", got ", out.sizes(), " ", out.scalar_type());
@@ -895,7 +906,7 @@ at::Tensor anyprec_dequantize(const at::Tensor& planes, const at::Tensor& lut, i
                                          int(words), int(words), int(in_features),
                                          reinterpret_cast<const uint16_t*>(lut.data_ptr()), out.data_ptr(),
                                          c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(rc == 0, "anyprec.dequantize failed (", status_text(rc), ") for planes ", planes.sizes(), ", bits=", k,
+  QK_CHECK(rc == 0, "anyprec.dequantize failed (", status_text(rc), ") for planes ", planes.sizes(), ", bits=", k,
               ", in_features=", in_features);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

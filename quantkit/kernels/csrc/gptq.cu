@@ -36,6 +36,8 @@
 // codes agree with the PyTorch loop up to the rounding of the GEMM and of reductions.
 
 #include <ATen/core/Tensor.h>
+
+#include "check.h"
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // the stream at::cuda::getCurrentCUDAStream() returns, without cuBLAS headers
@@ -369,7 +371,7 @@ void launch(const TileArgs<T>& args, int device) {
   constexpr size_t smem = smem_bytes<T, TPR>();
   int smem_max = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  TORCH_CHECK(smem <= size_t(smem_max), "gptq tile: needs ", smem, " bytes of shared memory per block (dtype size ",
+  QK_CHECK(smem <= size_t(smem_max), "gptq tile: needs ", smem, " bytes of shared memory per block (dtype size ",
               sizeof(T), ", threads per row ", TPR, "), the device allows ", smem_max,
               "; use more threads per row");
   auto kernel = gptq_tile_kernel<T, TPR>;
@@ -387,16 +389,16 @@ void dispatch_tpr(const TileArgs<T>& args, int64_t tpr, int device) {
     case 8: launch<T, 8>(args, device); break;
     case 16: launch<T, 16>(args, device); break;
     case 32: launch<T, 32>(args, device); break;
-    default: TORCH_CHECK(false, "gptq tile: threads per row must be 4, 8, 16 or 32, got ", tpr);
+    default: QK_CHECK(false, "gptq tile: threads per row must be 4, 8, 16 or 32, got ", tpr);
   }
 }
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
                   const at::Device& device) {
-  TORCH_CHECK(t.device() == device, "gptq tile: ", name, " is on ", t.device(), ", w is on ", device);
-  TORCH_CHECK(t.scalar_type() == dtype, "gptq tile: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "gptq tile: ", name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "gptq tile: ", name, " must be contiguous");
+  QK_CHECK(t.device() == device, "gptq tile: ", name, " is on ", t.device(), ", w is on ", device);
+  QK_CHECK(t.scalar_type() == dtype, "gptq tile: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  QK_CHECK(t.sizes() == shape, "gptq tile: ", name, " must have shape ", shape, ", got ", t.sizes());
+  QK_CHECK(t.is_contiguous(), "gptq tile: ", name, " must be contiguous");
 }
 
 }  // namespace
@@ -411,19 +413,19 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
                int64_t row_lo, int64_t row_hi, int64_t rows_per_unit, int64_t i1, int64_t i2, int64_t g,
                int64_t low_bits, bool sym, bool clip, double min_scale, int64_t clip_steps, int64_t clip_grid,
                double clip_norm, int64_t tpr) {
-  TORCH_CHECK(w.is_cuda() && w.dim() == 2, "gptq tile: w must be a 2-D CUDA tensor, got ", w.sizes(), " on ",
+  QK_CHECK(w.is_cuda() && w.dim() == 2, "gptq tile: w must be a 2-D CUDA tensor, got ", w.sizes(), " on ",
               w.device());
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
+  QK_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
               "gptq tile: w must be float32 or float64, got ", w.scalar_type());
   const int64_t R = w.size(0), d = w.size(1);
-  TORCH_CHECK(d >= 1 && d < (int64_t(1) << 31), "gptq tile: bad width d=", d);
-  TORCH_CHECK(g >= 1, "gptq tile: group size must be >= 1, got ", g);
-  TORCH_CHECK(low_bits >= 2 && low_bits <= 8, "gptq tile: bits must be in 2..8, got ", low_bits);
-  TORCH_CHECK(0 <= i1 && i1 < i2 && i2 <= d && i2 - i1 <= TILE, "gptq tile: columns [", i1, ", ", i2,
+  QK_CHECK(d >= 1 && d < (int64_t(1) << 31), "gptq tile: bad width d=", d);
+  QK_CHECK(g >= 1, "gptq tile: group size must be >= 1, got ", g);
+  QK_CHECK(low_bits >= 2 && low_bits <= 8, "gptq tile: bits must be in 2..8, got ", low_bits);
+  QK_CHECK(0 <= i1 && i1 < i2 && i2 <= d && i2 - i1 <= TILE, "gptq tile: columns [", i1, ", ", i2,
               ") must be a non-empty range of at most ", TILE, " inside [0, ", d, ")");
-  TORCH_CHECK(0 <= row_lo && row_lo <= row_hi && row_hi <= R, "gptq tile: rows [", row_lo, ", ", row_hi,
+  QK_CHECK(0 <= row_lo && row_lo <= row_hi && row_hi <= R, "gptq tile: rows [", row_lo, ", ", row_hi,
               ") outside [0, ", R, ")");
-  TORCH_CHECK(rows_per_unit >= 1 && R % rows_per_unit == 0, "gptq tile: ", R, " rows are not whole units of ",
+  QK_CHECK(rows_per_unit >= 1 && R % rows_per_unit == 0, "gptq tile: ", R, " rows are not whole units of ",
               rows_per_unit);
   const auto dtype = w.scalar_type();
   const auto device = w.device();
@@ -442,16 +444,16 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
   if (high_bits) check_tensor(*high_bits, "high_bits", at::kInt, {units}, device);
   if (col_group) {
     check_tensor(*col_group, "col_group", at::kInt, {d}, device);
-    TORCH_CHECK(!clear && !clip, "gptq tile: static groups take no clear columns and no clip search "
+    QK_CHECK(!clear && !clip, "gptq tile: static groups take no clear columns and no clip search "
                 "(their params come precomputed)");
   } else {
-    TORCH_CHECK(G == (d + g - 1) / g, "gptq tile: scales must have ceil(d/g) = ", (d + g - 1) / g,
+    QK_CHECK(G == (d + g - 1) / g, "gptq tile: scales must have ceil(d/g) = ", (d + g - 1) / g,
                 " groups for d=", d, ", g=", g, ", got ", G);
     const int64_t last = ((i2 - 1) / g) * g;  // the last group start at or before i2 - 1
-    TORCH_CHECK(last <= i1 || std::min(last + g, d) <= i2, "gptq tile: the group starting at column ", last,
+    QK_CHECK(last <= i1 || std::min(last + g, d) <= i2, "gptq tile: the group starting at column ", last,
                 " runs past the tile end ", i2, "; a group may only cross a tile end when it starts the tile");
   }
-  TORCH_CHECK(!(clip && clear), "gptq tile: the clip search is for plain GPTQ, not with clear columns");
+  QK_CHECK(!(clip && clear), "gptq tile: the clip search is for plain GPTQ, not with clear columns");
   if (row_lo == row_hi) return;
   const c10::cuda::CUDAGuard guard(device);
 

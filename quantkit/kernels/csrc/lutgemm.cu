@@ -443,8 +443,18 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 // Block b runs steps [b·S/B, (b+1)·S/B) of the sequence (row tile, chunk, plane, step): stream-K at
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
+// Resident blocks per SM the register allocation must allow. Measured on the H100 (2026-11-24,
+// 49152x12288 q3 g128): one column of x runs best with 4 (139 vs 163 us with 2), where the extra
+// blocks keep more loads in flight; 2..8 columns need their registers and lose badly with 4.
+#ifndef LUT_MIN_BLOCKS_B1
+#define LUT_MIN_BLOCKS_B1 4
+#endif
+#ifndef LUT_MIN_BLOCKS
+#define LUT_MIN_BLOCKS 2
+#endif
+
 template <int BP>
-__global__ void __launch_bounds__(kThreads, 2) lut_gemm_kernel(const LutParams p) {
+__global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
   using C = Cfg<BP>;
   constexpr int NT = C::kTables, NW = C::kWords, SW = C::kStepWords, NH = C::kSteps, EB = C::kEntryBytes;
   __shared__ __align__(16) unsigned char lut[kLutBytes];
@@ -968,10 +978,11 @@ inline int lut_grid(const LutParams& p, int max_blocks) {
 
 #ifndef LUTGEMM_HOST_EMU
 // ---- launchers and the PyTorch ops (bound in lutgemm.cpp) -------------------------------------
-// The ops live here, in the nvcc-compiled unit, like gptq.cu's: their failed TORCH_CHECKs raise a
-// Python RuntimeError, where the same checks in the g++-compiled binding unit crashed the process.
+// The ops live here, in the nvcc-compiled unit; their checks are QK_CHECKs (check.h says why).
 
 #include <ATen/core/Tensor.h>
+
+#include "check.h"
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1074,33 +1085,33 @@ const void* ptr_or_null(const std::optional<at::Tensor>& t) { return t.has_value
 
 // The kernels read 4 rows at a time with vector loads: tensors (views included) must start aligned.
 void check_aligned(const at::Tensor& t, int bytes, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, name, " must start at a ", bytes,
+  QK_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, name, " must start at a ", bytes,
               "-byte aligned address (pass a fresh contiguous tensor, not an offset view)");
 }
 
 // The stored BCQ tensors of quantkit/formats/bcq.py for a [k, d] weight.
 void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
                int64_t group_size, int64_t d) {
-  TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kInt && qweight.dim() == 3 && qweight.is_contiguous(),
+  QK_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kInt && qweight.dim() == 3 && qweight.is_contiguous(),
               "qweight must be a contiguous CUDA int32 tensor [q, W, k], got ", qweight.sizes(), " ",
               qweight.scalar_type(), " on ", qweight.device());
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2);
-  TORCH_CHECK(q >= 1 && q <= 8, "BCQ kernels take 1..8 planes, got q = ", q);
-  TORCH_CHECK(group_size >= 1, "group_size must be positive, got ", group_size);
-  TORCH_CHECK(W == (d + 31) / 32, "qweight has ", W, " words per row but in_features = ", d, " needs ", (d + 31) / 32);
-  TORCH_CHECK(W < (1 << 15), "in_features = ", d, " is above the kernels' limit of 2^20 columns");
-  TORCH_CHECK(k < (int64_t(1) << 30), "out_features = ", k, " is above the kernels' limit of 2^30 rows");
+  QK_CHECK(q >= 1 && q <= 8, "BCQ kernels take 1..8 planes, got q = ", q);
+  QK_CHECK(group_size >= 1, "group_size must be positive, got ", group_size);
+  QK_CHECK(W == (d + 31) / 32, "qweight has ", W, " words per row but in_features = ", d, " needs ", (d + 31) / 32);
+  QK_CHECK(W < (1 << 15), "in_features = ", d, " is above the kernels' limit of 2^20 columns");
+  QK_CHECK(k < (int64_t(1) << 30), "out_features = ", k, " is above the kernels' limit of 2^30 rows");
   const int64_t G = (d + group_size - 1) / group_size;
-  TORCH_CHECK(alpha.scalar_type() == at::kHalf && alpha.is_contiguous() && alpha.sizes() == at::IntArrayRef({G, q, k}),
+  QK_CHECK(alpha.scalar_type() == at::kHalf && alpha.is_contiguous() && alpha.sizes() == at::IntArrayRef({G, q, k}),
               "alpha must be a contiguous fp16 tensor [G, q, k] = [", G, ", ", q, ", ", k, "], got ", alpha.sizes(), " ",
               alpha.scalar_type());
-  TORCH_CHECK(alpha.device() == qweight.device(), "alpha is on ", alpha.device(), " but qweight on ", qweight.device());
+  QK_CHECK(alpha.device() == qweight.device(), "alpha is on ", alpha.device(), " but qweight on ", qweight.device());
   if (offset.has_value()) {
     const at::Tensor& z = *offset;
-    TORCH_CHECK(z.scalar_type() == at::kHalf && z.is_contiguous() && z.sizes() == at::IntArrayRef({G, k}),
+    QK_CHECK(z.scalar_type() == at::kHalf && z.is_contiguous() && z.sizes() == at::IntArrayRef({G, k}),
                 "offset must be a contiguous fp16 tensor [G, k] = [", G, ", ", k, "], got ", z.sizes(), " ",
                 z.scalar_type());
-    TORCH_CHECK(z.device() == qweight.device(), "offset is on ", z.device(), " but qweight on ", qweight.device());
+    QK_CHECK(z.device() == qweight.device(), "offset is on ", z.device(), " but qweight on ", qweight.device());
   }
 }
 
@@ -1112,21 +1123,21 @@ void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::op
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
+  QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
   const int64_t n = x.size(0), d = x.size(1);
   check_bcq(qweight, alpha, offset, group_size, d);
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
-  TORCH_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
-  TORCH_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
-  TORCH_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
+  QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
+  QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
+  QK_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
               group_size, " with in_features = ", d, " (use dequantize)");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&
+  QK_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&
                   out.device() == x.device(),
               "out must be a contiguous fp16 tensor [", n, ", ", k, "] on ", x.device(), ", got ", out.sizes(), " ",
               out.scalar_type(), " on ", out.device());
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kHalf && bias->is_contiguous() && bias->numel() == k &&
+    QK_CHECK(bias->scalar_type() == at::kHalf && bias->is_contiguous() && bias->numel() == k &&
                     bias->device() == x.device(),
                 "bias must be a contiguous fp16 tensor of ", k, " elements on ", x.device(), ", got ", bias->sizes(), " ",
                 bias->scalar_type(), " on ", bias->device());
@@ -1144,7 +1155,7 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                                             int(q), int(W), int(k), int(G), int(group_size),
                                             int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
                                             x.device().index(), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", n, ", ", d, "], weight ", k, "x", d, ", q = ", q,
+  QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", n, ", ", d, "], weight ", k, "x", d, ", q = ", q,
               ", g = ", group_size, ", offset = ", offset.has_value(), ": ", cudaGetErrorString(err));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1152,25 +1163,25 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
 // out[k, d] (fp16, bf16 or fp32) = the dense weight, bit-identical to BCQQuantizedTensor.dequantize(out.dtype).
 void lutgemm_dequantize(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
                         int64_t group_size, const at::Tensor& out) {
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous tensor [k, d], got ", out.sizes());
+  QK_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous tensor [k, d], got ", out.sizes());
   const int64_t d = out.size(1);
   check_bcq(qweight, alpha, offset, group_size, d);
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2);
-  TORCH_CHECK(out.size(0) == k && out.device() == qweight.device(), "out must be [", k, ", ", d, "] on ",
+  QK_CHECK(out.size(0) == k && out.device() == qweight.device(), "out must be [", k, ", ", d, "] on ",
               qweight.device(), ", got ", out.sizes(), " on ", out.device());
   int kind = 0;
   switch (out.scalar_type()) {
     case at::kHalf: kind = 0; break;
     case at::kBFloat16: kind = 1; break;
     case at::kFloat: kind = 2; break;
-    default: TORCH_CHECK(false, "dequantize writes fp16, bf16 or fp32, not ", out.scalar_type());
+    default: QK_CHECK(false, "dequantize writes fp16, bf16 or fp32, not ", out.scalar_type());
   }
   if (k == 0 || d == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const cudaError_t err = lutgemm_cuda_dequantize(qweight.data_ptr<int>(), alpha.data_ptr(), ptr_or_null(offset),
                                                   out.data_ptr(), kind, int(k), int(d), int(q), int(W),
                                                   int(group_size), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "dequantize launch failed for weight ", k, "x", d, ", q = ", q, ", g = ", group_size,
+  QK_CHECK(err == cudaSuccess, "dequantize launch failed for weight ", k, "x", d, ", q = ", q, ", g = ", group_size,
               ", out ", out.scalar_type(), ": ", cudaGetErrorString(err));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

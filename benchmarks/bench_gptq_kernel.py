@@ -13,10 +13,11 @@ Inputs: W = 0.02·N(0, 1), H from n = d + 1024 correlated random tokens, U = the
 (median of --repeats for the kernel; the slow PyTorch paths run once per count, small shapes twice). The scan
 is what ooc_gptq produces per candidate (codes, params, dequantized weights); choosing the winner (the probe
 loss) costs the same for all three and is not timed. The kernel's scan streams the candidates (ooc_stream),
-so its peak memory is one chunk's; p-OOC-Batch holds all candidates at once; p-OOC-Naive one at a time.
-Baseline runs that would not fit (memory) or would blow the time budget (--batch-cap, --naive-cap candidates)
-are measured on fewer candidates and extrapolated linearly in the candidate count: marked "~" in the tables.
-TF32 is off: every path computes in fp32.
+so its peak memory is one chunk's; p-OOC-Batch holds all candidates of a batch at once and runs the scan in
+batches of as many as fit in 70 % of the free memory (every s measured); p-OOC-Naive runs one at a time and
+is measured on --naive-cap candidates, then extrapolated linearly in the candidate count ("~" in the tables).
+TF32 is off: every path computes in fp32. The kernel is also timed with its optional 3xTF32 lazy updates
+(gptq_cuda.split_tf32), with their code agreement.
 """
 
 import argparse
@@ -94,9 +95,9 @@ def make_layer(k, d, seed=0):
 
 
 @contextlib.contextmanager
-def plain_fp32_updates():
-    """The kernel path with its lazy updates as plain fp32 SGEMMs instead of 3xTF32 (the comparison)."""
-    previous, gptq_cuda.split_tf32 = gptq_cuda.split_tf32, False
+def split_updates():
+    """The kernel path with its lazy updates as 3xTF32 instead of fp32 SGEMMs (the opt-in, for comparison)."""
+    previous, gptq_cuda.split_tf32 = gptq_cuda.split_tf32, True
     try:
         yield
     finally:
@@ -133,19 +134,19 @@ def gptq_row(label, k, d, h, w, u, rate, args):
     got = got[0]
     t_torch, m_torch, ref = measure(pytorch, 1 if d >= 4096 else 2, keep=True)
     agree = (got == ref[0]).double().mean().item()
-    with plain_fp32_updates():
-        t_fp32, _, got32 = measure(kernel, args.repeats, keep=True)
-    agree_fp32 = (got32[0] == ref[0]).double().mean().item()
-    del got, ref, got32
+    with split_updates():
+        t_split, _, got_split = measure(kernel, args.repeats, keep=True)
+    agree_split = (got_split[0] == ref[0]).double().mean().item()
+    del got, ref, got_split
     floor = gptq_cuda.gptq_flops(k, d) / rate
     row = {"shape": label, "k": k, "d": d, "kernel_s": t_kernel, "pytorch_s": t_torch, "speedup": t_torch / t_kernel,
            "floor_s": floor, "kernel_over_floor": t_kernel / floor, "gemm_only_s": gemm_only(k, d, u, args.repeats),
            "peak_kernel_bytes": m_kernel, "peak_pytorch_bytes": m_torch, "codes_agree": agree,
-           "kernel_fp32_gemm_s": t_fp32, "codes_agree_fp32_gemm": agree_fp32,
+           "kernel_3xtf32_s": t_split, "codes_agree_3xtf32": agree_split,
            "threads_per_row": gptq_cuda.threads_per_row(k)}
-    print(f"  k-OOC(0) {label}: kernel {t_kernel * 1e3:.2f} ms (fp32-GEMM updates {t_fp32 * 1e3:.2f} ms), "
+    print(f"  k-OOC(0) {label}: kernel {t_kernel * 1e3:.2f} ms (3xTF32 updates {t_split * 1e3:.2f} ms), "
           f"PyTorch {t_torch * 1e3:.1f} ms ({row['speedup']:.1f}x), floor {floor * 1e3:.2f} ms, "
-          f"codes agree {agree:.5f} (fp32-GEMM {agree_fp32:.5f})", flush=True)
+          f"codes agree {agree:.5f} (3xTF32 {agree_split:.5f})", flush=True)
     return row
 
 
@@ -166,21 +167,27 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
     free = torch.cuda.mem_get_info()[0]
     masks = {s: candidates(h, w, s)[1] for s in scans}
     counts = {s: masks[s].shape[0] for s in scans}
+    # p-OOC-Batch holds every candidate of a batch at once (BATCH_BYTES_PER_WEIGHT each), so on one card it runs
+    # the scan in batches of what fits; it is timed that way, every s measured (no extrapolation)
     fit = max(1, int(0.7 * free // (BATCH_BYTES_PER_WEIGHT * k * d)))
-    cap = min(fit, args.batch_cap if d >= 4096 else max(counts.values()))
+    per_batch = min(fit, args.batch_cap) if args.batch_cap else fit
 
-    # p-OOC-Batch: time depends on the candidate count only (every candidate runs every column)
+    def batched(c, mask):
+        for lo in range(0, c, per_batch):
+            hi = min(c, lo + per_batch)
+            ooc_gptq(w.expand(hi - lo, -1, -1), u, BITS, BITS, GROUP, False, mask[lo:hi])
+
     batch = {}
-    wanted = {min(c, cap) for c in counts.values()}
-    if max(counts.values()) > cap:  # a second point for the extrapolation
-        wanted.add(max(1, cap // 2))
-    for m in sorted(wanted):
-        mask = masks[max(scans)][:m]
-        try:
-            with gptq_cuda.disabled():
-                batch[m] = measure(lambda: ooc_gptq(w.expand(m, -1, -1), u, BITS, BITS, GROUP, False, mask), 1)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
+    for s in scans:
+        while s not in batch:
+            try:
+                with gptq_cuda.disabled():
+                    batch[s] = measure(lambda: batched(counts[s], masks[s]), 1)
+            except torch.cuda.OutOfMemoryError:  # the size estimate was optimistic: smaller batches
+                if per_batch == 1:
+                    raise
+                per_batch = max(1, per_batch // 2)
+                torch.cuda.empty_cache()
     # p-OOC-Naive: one candidate at a time, results dropped as they come (the kernel's scan streams too)
     n_naive = min(args.naive_cap, max(counts.values()))
     naive_mask = masks[max(scans)][:n_naive]
@@ -196,36 +203,27 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
     for s in scans:
         c, mask = counts[s], masks[s]
         fractions = (mask.to(torch.uint8).argmax(dim=1) // GROUP * GROUP).float().div(d).tolist()
+
         def scan():
             drain(gptq_cuda.ooc_stream(w.expand(c, -1, -1), u, BITS, BITS, GROUP, False, mask))
 
         t_kernel, m_kernel = measure(scan, args.repeats)
-        with plain_fp32_updates():
-            t_fp32, _ = measure(scan, 1)
-        if c in batch:
-            t_batch, m_batch, batch_exact = *batch[c], True
-        else:  # linear in the candidate count through the two largest measured counts
-            xs = sorted(batch)[-2:]
-            if len(xs) == 2:
-                slope_t = max(0.0, (batch[xs[1]][0] - batch[xs[0]][0]) / (xs[1] - xs[0]))  # never below measured
-                slope_m = max(0.0, (batch[xs[1]][1] - batch[xs[0]][1]) / (xs[1] - xs[0]))
-                t_batch = batch[xs[1]][0] + slope_t * (c - xs[1])
-                m_batch = batch[xs[1]][1] + slope_m * (c - xs[1])
-            else:
-                t_batch = m_batch = float("nan")
-            batch_exact = False
+        with split_updates():
+            t_split, _ = measure(scan, 1)
+        t_batch, m_batch = batch[s]
+        batch_exact = True
         units = gptq_cuda.ooc_work_units(fractions)
         floor = units * gptq_cuda.gptq_flops(k, d) / rate
         row = {"shape": label, "k": k, "d": d, "scan": s, "candidates": c, "kernel_s": t_kernel,
-               "batch_s": t_batch, "batch_measured": batch_exact, "naive_s": t_naive * c / n_naive,
+               "batch_s": t_batch, "batch_measured": batch_exact, "batch_per_run": per_batch, "naive_s": t_naive * c / n_naive,
                "naive_measured": c == n_naive, "speedup_batch": t_batch / t_kernel,
                "speedup_naive": t_naive * c / n_naive / t_kernel, "work_units": units, "floor_s": floor,
-               "kernel_over_floor": t_kernel / floor, "kernel_fp32_gemm_s": t_fp32,
+               "kernel_over_floor": t_kernel / floor, "kernel_3xtf32_s": t_split,
                "peak_kernel_bytes": m_kernel, "peak_batch_bytes": m_batch,
                "peak_naive_bytes": m_naive}
         rows.append(row)
         print(f"  k-OOC({s}) {label}: {c} candidates, kernel {t_kernel * 1e3:.1f} ms "
-              f"(fp32-GEMM updates {t_fp32 * 1e3:.1f} ms), batch {t_batch:.2f} s"
+              f"(3xTF32 updates {t_split * 1e3:.1f} ms), batch {t_batch:.2f} s"
               f"{'' if batch_exact else ' (extrap.)'}, naive {row['naive_s']:.2f} s"
               f"{'' if row['naive_measured'] else ' (extrap.)'}", flush=True)
     return rows
@@ -252,16 +250,16 @@ def tables(gptq, ooc, sweep, meta):
     lines = [f"Device {meta['device']}, torch {meta['torch']}, fp32 GEMM rate {meta['sgemm_tflops']:.1f} TFLOP/s "
              f"(TF32 off), {meta['date']}.", "",
              "| shape (out x in) | kernel ms | PyTorch GPTQ ms | speedup | floor ms | kernel/floor | GEMM-only ms "
-             "| peak MiB kernel / PyTorch | codes agree | kernel ms, fp32-SGEMM updates | codes agree, fp32-SGEMM |",
+             "| peak MiB kernel / PyTorch | codes agree | kernel ms, 3xTF32 updates | codes agree, 3xTF32 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in gptq:
         agree = f"{100 * r['codes_agree']:.3f} %"
         lines.append(f"| {r['shape']} | {r['kernel_s'] * 1e3:.2f} | {r['pytorch_s'] * 1e3:.1f} | {r['speedup']:.1f}x "
                      f"| {r['floor_s'] * 1e3:.2f} | {r['kernel_over_floor']:.1f} | {r['gemm_only_s'] * 1e3:.2f} "
                      f"| {r['peak_kernel_bytes'] / MiB:.0f} / {r['peak_pytorch_bytes'] / MiB:.0f} | {agree} "
-                     f"| {r['kernel_fp32_gemm_s'] * 1e3:.2f} | {100 * r['codes_agree_fp32_gemm']:.3f} % |")
+                     f"| {r['kernel_3xtf32_s'] * 1e3:.2f} | {100 * r['codes_agree_3xtf32']:.3f} % |")
     lines += ["", "| shape (out x in) | s | cands | kernel ms | p-OOC-Batch s | p-OOC-Naive s | x Batch | x Naive "
-              "| work (GPTQ runs) | floor ms | kernel/floor | peak MiB kernel / Batch / Naive | kernel ms, fp32-SGEMM |",
+              "| work (GPTQ runs) | floor ms | kernel/floor | peak MiB kernel / Batch / Naive | kernel ms, 3xTF32 |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ooc:
         b, n = r["batch_measured"], r["naive_measured"]
@@ -270,7 +268,7 @@ def tables(gptq, ooc, sweep, meta):
                  mark(f"{r['speedup_batch']:.0f}x", b), mark(f"{r['speedup_naive']:.0f}x", n),
                  f"{r['work_units']:.1f}", f"{r['floor_s'] * 1e3:.1f}", f"{r['kernel_over_floor']:.1f}",
                  f"{r['peak_kernel_bytes'] / MiB:.0f} / " + mark(f"{r['peak_batch_bytes'] / MiB:.0f}", b)
-                 + f" / {r['peak_naive_bytes'] / MiB:.0f}", f"{r['kernel_fp32_gemm_s'] * 1e3:.1f}"]
+                 + f" / {r['peak_naive_bytes'] / MiB:.0f}", f"{r['kernel_3xtf32_s'] * 1e3:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if sweep:
         lines += ["", "| shape | threads per row | kernel ms |", "|---|---:|---:|"]
@@ -283,8 +281,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help=f"shapes {', '.join(QUICK_SHAPES)}; s in 0.1, 1.0")
     ap.add_argument("--shapes", default=None, help="comma-separated labels of SHAPES (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="timed kernel runs per measurement (median)")
-    ap.add_argument("--batch-cap", type=int, default=8,
-                    help="most candidates p-OOC-Batch runs at once on shapes with d >= 4096 (beyond: extrapolated)")
+    ap.add_argument("--batch-cap", type=int, default=0,
+                    help="most candidates p-OOC-Batch runs at once (default 0: as many as fit in 70%% of free memory)")
     ap.add_argument("--naive-cap", type=int, default=1,
                     help="candidates p-OOC-Naive runs; its time is per candidate x count beyond that (extrapolated)")
     ap.add_argument("--sweep", default="Llama-2-7B q/o 4096x4096,Llama-2-70B up 28672x8192",

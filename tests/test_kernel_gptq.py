@@ -214,7 +214,8 @@ def test_tile_plan(d, g, block, cuts):
 def test_memory_plan():
     k, d, groups = 4096, 4096, 32
     per = gptq_cuda.unit_bytes(k, d, groups, 4)
-    assert per == k * d * 5 + k * 4 * (gptq_cuda.TILE + 2 * groups + 3)
+    split_tiles = 5 if gptq_cuda.split_tf32 else 0  # the 3xTF32 operands, when that update is on
+    assert per == k * d * 5 + k * 4 * ((1 + split_tiles) * gptq_cuda.TILE + 2 * groups + 3)
     assert gptq_cuda.candidate_chunk(k, d, groups, 4, 10 * per + gptq_cuda.transient_bytes(k, d, 4)) == 10
     assert gptq_cuda.candidate_chunk(k, d, groups, 4, 0) == 1  # never refuses to run
     assert not gptq_cuda.fork_pays([0.5])  # one candidate: the base costs what it saves

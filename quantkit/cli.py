@@ -121,7 +121,8 @@ def fetch_model(force):
                    "loss over the calibration windows (fisher, one whole-model backward per window), or none [activation].")
 @click.option("--upscale", type=click.Choice(["joint", "split"]), default=None,
               help="anyprec: nested upscaling rule: split every cluster at its exact 2-means cut (paper), or joint: "
-                   "choose the nested partitions for the SSE of all widths at once (C++ path only) [joint].")
+                   "choose the nested partitions for the SSE of all widths at once (C++ path only; lower SSE, no better "
+                   "perplexity on SmolLM2) [split].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
 @click.option("--resume", is_flag=True,

@@ -82,7 +82,7 @@ def test_codes_are_nested_and_tables_agree():
     # each split refines its parent cluster: error falls with every extra bit
     errs = [(qt.dequantize(bits=b) - weight).pow(2).mul(stats["xtx"].diagonal()).sum().item() for b in range(3, 9)]
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
-    # with upscale="split" the seed is the squeezellm result at 3 bits (the default "joint" moves the
+    # with upscale="split" (the default) the seed is the squeezellm result at 3 bits ("joint" moves the
     # seed's boundaries, at most 1 % more seed SSE, for the finer widths' sake)
     split = make_method("anyprec", seed_bits=3, parent_bits=8, upscale="split").quantize(weight, stats)[0]
     sq, _ = make_method("squeezellm", bits=3).quantize(weight, stats)

@@ -90,7 +90,7 @@ def _torch_levels(x, w, s, p):
 @needs_ext
 @pytest.mark.parametrize("kind,seed", [("gauss", 7), ("gauss", 9), ("heavy", 8)])
 def test_quality_against_torch_path(kind, seed):
-    """The default native path (joint) is within 0.5 % of the torch path's SSE or below it at every width.
+    """The native joint rule is within 0.5 % of the torch path's SSE or below it at every width.
     split's seed is the exact optimum, so never above the torch heuristic's; its finer widths are not
     asserted: greedy splits of a better seed land up to ~3 % either side of the torch path's (the
     reason for joint)."""
@@ -220,8 +220,8 @@ def test_methods_use_the_native_path():
     sens = sens + 1e-6 * sens.mean()
     sq, info = make_method("squeezellm", bits=3).quantize(weight, stats)
     assert info["weighted_sse"] == pytest.approx(kn.native_kmeans_exact(weight, sens, 8).sum().item(), rel=1e-9)
-    split, _ = make_method("anyprec", seed_bits=3, parent_bits=6, upscale="split").quantize(weight, stats)
-    joint, info = make_method("anyprec", seed_bits=3, parent_bits=6).quantize(weight, stats)  # joint by default
+    split, _ = make_method("anyprec", seed_bits=3, parent_bits=6).quantize(weight, stats)  # split by default
+    joint, info = make_method("anyprec", seed_bits=3, parent_bits=6, upscale="joint").quantize(weight, stats)
     assert torch.equal(sq.dequantize(), split.dequantize(bits=3))  # split keeps the squeezellm seed
     for b in range(3, 7):
         assert torch.equal(joint.codes(b), joint.codes() >> (6 - b))
@@ -235,11 +235,11 @@ def test_fallback_without_the_extension(monkeypatch):
     weight = torch.randn(8, 40) * 0.02
     assert kn.native_anyprec(weight, torch.ones(40), 2, 3) is None
     with pytest.warns(UserWarning, match="needs the C.. extension"):
-        qt, _ = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none").quantize(weight, None)
+        joint = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none", upscale="joint")
+        qt, _ = joint.quantize(weight, None)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        split = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none", upscale="split")
-        qt2, _ = split.quantize(weight, None)
+        warnings.simplefilter("error")  # the default (split) runs on the torch path without a word
+        qt2, _ = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none").quantize(weight, None)
     assert torch.equal(qt.dequantize(), qt2.dequantize())  # the torch path, split either way
 
 

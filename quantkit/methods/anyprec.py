@@ -9,10 +9,10 @@ weight starts with its b-bit code. The b-bit table holds the weighted means of t
 bitplanes + one LUT per width in seed..parent. Vectorised over rows.
 
 When the C++ extension builds (kmeans_native.py) it does all of this instead: an exact k-means seed,
-the same exact splits (upscale="split"), or the joint rule (upscale="joint", the default: nested
+the same exact splits (upscale="split", the default), or the joint rule (upscale="joint": nested
 partitions chosen for a blended SSE of every width; on SmolLM2 4..8 bits lose 5-31 % less SSE for
-<= 1 % more at the seed width, scripts/bench_anyprec_cpu.py). Without it the torch path below runs,
-which knows only "split".
+<= 1 % more at the seed width, scripts/bench_anyprec_cpu.py, but no perplexity: BENCHMARKS.md, issue 5
+table, 2026-11-24). Without it the torch path below runs, which knows only "split".
 """
 
 import warnings
@@ -42,7 +42,7 @@ class AnyPrecision(Method):
     stats = ("hessian",)
     # upscale: "joint" or "split" (see kmeans_native); level_weights: joint's λ multipliers for bits
     # seed..parent (None: kmeans_native.default_level_weights)
-    params = {"seed_bits": 3, "parent_bits": 8, "sensitivity": "activation", "upscale": "joint",
+    params = {"seed_bits": 3, "parent_bits": 8, "sensitivity": "activation", "upscale": "split",
               "level_weights": None}
 
     def validate(self):

@@ -55,9 +55,10 @@ _enabled = True
 emulator = None  # tests: a PyTorch stand-in for the compiled module (same `tile` contract), to check this driver on CPU
 poison = False  # tests: fill every buffer with NaN / 255 before a run, so unwritten elements show
 tpr_override = None  # benchmarks: force threads per row (4, 8, 16 or 32)
-# fp32 lazy updates as 3xTF32 (lazy_update). Off by default: measured on the H100 (2026-11-24) it is 1.3-1.45x
-# faster on the 8192-wide shapes but its ~2^-21 rounding flips ties that GPTQ's error feedback carries on,
-# leaving 99.66-99.91 % of codes equal to the fp32 reference (4096x11008 .. 4096x4096), below the 99.9 % bar.
+# fp32 lazy updates as 3xTF32 (lazy_update). Off by default: measured on the H100 (2026-11-24) it is 1.2-1.4x
+# faster where rows are long (d = 8192, 11008) and slower on small layers, and its ~2^-21 rounding flips ties
+# that GPTQ's error feedback carries on: 99.66-99.91 % of codes equal to the fp32 reference on the 7B/70B
+# shapes, below the 99.9 % the kernel is held to.
 split_tf32 = False
 launches = {"calls": 0, "tiles": 0}  # what ran through the kernel (tests and benchmarks read it)
 
@@ -235,8 +236,8 @@ def lazy_update(dst, err, u, i1, i2):
     """dst -= err @ U[i1:i2, i2:] (dst = the columns after the tile).
 
     fp32 on CUDA with split_tf32: one TF32 tensor-core GEMM of K = 3·(i2 − i1) on the split operands,
-    [e_hi, e_hi, e_lo] @ [u_hi; u_lo; u_hi], which leaves out only e_lo·u_lo (~2⁻²² relative, against
-    fp32's 2⁻²⁴ rounding), i.e. fp32-grade accuracy at tensor-core speed (the "3xTF32" scheme). The
+    [e_hi, e_hi, e_lo] @ [u_hi; u_lo; u_hi] (the "3xTF32" scheme). It leaves out e_lo·u_lo and rounds
+    the lo halves to TF32, ~2⁻²¹ relative against fp32's 2⁻²⁴: close, but enough to flip some ties. The
     update streams all of dst once per tile either way; the split makes its arithmetic cheaper than
     that traffic. Anything else (fp64, CPU, split_tf32 off): the plain addmm_ of the reference loop.
     """

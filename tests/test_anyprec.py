@@ -213,3 +213,19 @@ def test_fisher_sensitivity_through_the_pipeline(tiny_llama_dir, tmp_path, data_
     model = load_quantized(out, bits=2)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_preset_is_the_paper_setting_with_method_defaults():
+    from pathlib import Path
+
+    import yaml
+
+    from quantkit.cli import quantize
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / "anyprec-3to8.yaml"
+    values = {k.replace("-", "_"): v for k, v in yaml.safe_load(preset.read_text()).items()}
+    assert set(values) <= {p.name for p in quantize.params}
+    assert values.pop("method") == "anyprec"
+    method = make_method("anyprec", **values)
+    assert (method.seed_bits, method.parent_bits, method.sensitivity) == (3, 8, "fisher")
+    assert method.upscale == make_method("anyprec").upscale == "split"  # the preset names the default

@@ -130,6 +130,8 @@ def main():
     ap.add_argument("--level-weights", default=None, help="joint: comma-separated λ multipliers for bits seed..parent")
     ap.add_argument("--window", type=int, default=None, help="joint: seed-cut window (default: the method's)")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads [torch.get_num_threads()]")
+    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2"],
+                    help="instruction set of the extension's scans (the same results) [%(default)s]")
     ap.add_argument("--layers", type=int, default=None, help="only the first N decoder layers")
     ap.add_argument("--torch-layers", type=int, default=1, help="decoder layers also run on the torch path (0: none)")
     ap.add_argument("--indep-stride", type=int, default=16, help="rows sampled for the independent k-means (0: skip)")
@@ -148,7 +150,7 @@ def main():
 
     from quantkit.kernels.build import load_cpu
     from quantkit.methods.kmeans_native import DEFAULT_WINDOW, default_level_weights, native_anyprec, \
-        native_kmeans_exact
+        native_isa, native_kmeans_exact
 
     s, p = args.seed_bits, args.parent_bits
     start = time.perf_counter()
@@ -183,11 +185,12 @@ def main():
     report = {"linears": args.linears, "matrices": len(mats), "weights": weights, "rows": rows,
               "sensitivity": args.sensitivity, "seed_bits": s, "parent_bits": p, "threads": threads,
               "level_weights": level_weights, "window": window, "cpu": platform.processor() or platform.machine(),
-              "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_avg_start": load_avg(),
+              "cpu_count": os.cpu_count(), "isa": native_isa(args.isa), "torch": torch.__version__,
+              "load_avg_start": load_avg(),
               "compile_seconds": compile_s, "compile_fresh": args.fresh_build, "sensitivity_seconds": sens_s,
               "rules": {}}
     print(f"{len(mats)} linears, {rows:,} rows, {weights:,} weights; sensitivity {args.sensitivity}; "
-          f"{threads} threads; load average {report['load_avg_start']}")
+          f"{threads} threads ({report['isa']}); load average {report['load_avg_start']}")
     print(f"extension load: {compile_s:.1f} s ({'fresh compile' if args.fresh_build else 'cached or first build'})"
           f"; sensitivity stage {sens_s:.2f} s")
 
@@ -196,7 +199,7 @@ def main():
         results, cpu0, start = [], time.process_time(), time.perf_counter()
         for k, w in mats.items():
             results.append(native_anyprec(w, sens[k], s, p, rule, level_weights=level_weights, window=window,
-                                          threads=threads))
+                                          threads=threads, isa=args.isa))
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
         sums = stage_sums(results)
         sse = [sum(r.sse[b].sum().item() for r in results) for b in range(s, p + 1)]
@@ -214,7 +217,7 @@ def main():
         for i, (k, w) in enumerate(mats.items()):
             sub = w[:: args.indep_stride].contiguous()
             for j, b in enumerate(range(s, p + 1)):
-                indep[j] += native_kmeans_exact(sub, sens[k], 2**b, threads).sum()
+                indep[j] += native_kmeans_exact(sub, sens[k], 2**b, threads, isa=args.isa).sum()
                 for rule, results in per_row.items():
                     sampled[rule][j] += results[i].sse[b][:: args.indep_stride].sum()
         report["independent"] = {"row_stride": args.indep_stride, "weighted_sse": indep.tolist(),

@@ -109,11 +109,12 @@ def test_quality_against_torch_path(kind, seed):
 
 
 @needs_ext
-def test_codes_nest_and_tables_are_cluster_means():
+@pytest.mark.parametrize("isa", ["generic", "auto"])
+def test_codes_nest_and_tables_are_cluster_means(isa):
     s, p = 2, 6
     x, w = _rows("heavy", 9, 200, seed=5)
     for upscale in ("split", "joint"):
-        res = kn.native_anyprec(x, w, s, p, upscale)
+        res = kn.native_anyprec(x, w, s, p, upscale, isa=isa)
         assert res.codes.dtype == torch.uint8 and res.codes.shape == x.shape and int(res.codes.max()) < 2**p
         for b in range(s, p + 1):
             code = res.codes.long() >> (p - b)  # the b-bit code is the top b bits of the parent code
@@ -135,6 +136,94 @@ def test_deterministic_and_independent_of_threads():
         assert torch.equal(runs[0].codes, other.codes)
         for b in range(3, 7):
             assert torch.equal(runs[0].luts[b], other.luts[b]) and torch.equal(runs[0].sse[b], other.sse[b])
+
+
+HAS_AVX2 = EXT is not None and kn.native_isa("avx2") == "avx2"
+
+
+@needs_ext
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("upscale", ["split", "joint"])
+@pytest.mark.parametrize("kind,rows,n,s,p", [("gauss", 12, 576, 3, 8), ("heavy", 7, 333, 2, 7), ("gauss", 5, 61, 3, 3)])
+def test_instruction_sets_agree(upscale, kind, rows, n, s, p):
+    """The AVX2 scans (four candidates per step, four look-ahead ends per step) and the plain ones give the
+    same bits, also on degenerate rows (ties, zero weights, fewer distinct values than clusters)."""
+    x, w = _rows(kind, rows, n, seed=n + s)
+    x[0, : n // 2] = x[0, n // 2 :][: n // 2]  # duplicated values
+    x[1] = torch.round(x[1] * 50) / 50  # few distinct values
+    w[2, ::3] = 0.0  # zero sensitivities
+    plain = kn.native_anyprec(x, w, s, p, upscale, isa="generic")
+    fast = kn.native_anyprec(x, w, s, p, upscale, isa="avx2")
+    assert torch.equal(plain.codes, fast.codes) and torch.equal(plain.objective, fast.objective)
+    for b in range(s, p + 1):
+        assert torch.equal(plain.luts[b], fast.luts[b]) and torch.equal(plain.sse[b], fast.sse[b])
+    for K in (2**s, 2 ** (s + 1)):
+        a, b = kn.native_kmeans_exact(x, w, K, isa="generic", cuts=True), kn.native_kmeans_exact(x, w, K, isa="avx2", cuts=True)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["generic", "auto"])
+def test_long_rows_equal_reference(isa):
+    """Rows of a few hundred distinct values, where the DP layers are pruned by the upper bound and the 2K
+    layers narrowed by the K optimum, the scans run several steps and the look-ahead arrays are shared
+    between levels: still exactly the brute-force reference (seed, 2K start, look-ahead and polish)."""
+    x, w = _rows("heavy", 2, 240, seed=1)
+    for upscale in ("split", "joint"):
+        _assert_same(kn.native_anyprec(x, w, 3, 6, upscale, isa=isa), kn.reference_anyprec(x, w, 3, 6, upscale),
+                     range(3, 7))
+    x, w = _rows("gauss", 2, 180, seed=2)
+    for K in (4, 16):
+        cuts, inertia = kn.native_kmeans_exact(x, w, K, isa=isa, cuts=True)
+        for r in range(2):
+            row = kn.RefRow(x[r].tolist(), w[r].tolist())
+            assert cuts[r].tolist() == kn.ref_kmeans_dp(row, K)
+            assert inertia[r].item() == pytest.approx(sum(row.S(a, b) for a, b in zip(cuts[r][:-1].tolist(),
+                                                                                     cuts[r][1:].tolist())), rel=1e-12)
+
+
+@needs_ext
+def test_sse_per_width_against_independent_kmeans():
+    """On a 576-wide matrix: split's seed is the independent exact k-means at the seed width; joint stays
+    within the seed tolerance there and is below split at every finer width (this matrix: 4-22 % lower)."""
+    s, p = 3, 8
+    x, w = _rows("gauss", 48, 576, seed=3)
+    split = kn.native_anyprec(x, w[0], s, p, "split")
+    joint = kn.native_anyprec(x, w[0], s, p, "joint")
+    exact = kn.native_kmeans_exact(x, w[0], 2**s).sum()
+    assert split.sse[s].sum().item() == pytest.approx(exact.item(), rel=1e-12)
+    assert joint.sse[s].sum() <= exact * (1 + kn.DEFAULT_SEED_TOLERANCE) * (1 + 1e-9)
+    for b in range(s + 1, p + 1):
+        assert joint.sse[b].sum() <= 0.99 * split.sse[b].sum(), b
+        assert split.sse[b].sum() >= kn.native_kmeans_exact(x, w[0], 2**b).sum() * (1 - 1e-12)  # nesting costs
+
+
+@needs_ext
+def test_kept_buffer_reuse_across_calls():
+    """joint keeps its per-matrix buffer between calls: a smaller and a larger matrix afterwards, and two
+    threads at once, give the results of fresh calls."""
+    import threading
+
+    big, wb = _rows("gauss", 64, 300, seed=4)
+    small, ws = _rows("heavy", 5, 70, seed=5)
+    first = kn.native_anyprec(big, wb, 2, 5, "joint")
+    kn.native_anyprec(small, ws, 2, 5, "joint")
+    again = kn.native_anyprec(big, wb, 2, 5, "joint")
+    assert torch.equal(first.codes, again.codes) and torch.equal(first.sse[5], again.sse[5])
+    out = {}
+    jobs = [threading.Thread(target=lambda k=k: out.__setitem__(k, kn.native_anyprec(big, wb, 2, 5, "joint", threads=1)))
+            for k in range(2)]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    for k in range(2):
+        assert torch.equal(out[k].codes, first.codes) and torch.equal(out[k].luts[2], first.luts[2])
+
+
+def test_isa_argument_is_checked():
+    with pytest.raises(QuantkitError, match="isa"):
+        kn.native_anyprec(torch.zeros(2, 4), torch.ones(4), 1, 2, isa="sse9")
 
 
 def test_envelope_polish_decreases_monotonically():

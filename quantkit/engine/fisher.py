@@ -7,10 +7,11 @@ accumulator as soon as autograd produces it and frees the gradient, so besides t
 (one fp32 copy of the selected weights) at most about one layer's gradients are alive at a time.
 Only the selected weights require grad, so no other parameter gradient is ever materialised.
 
-The forward/backward can run on a copy of the model in another dtype (`compute_dtype`): on a
-CPU with bf16 matrix units a bf16 copy with eager attention is ~2.8× faster than fp32 (SmolLM2,
-512 tokens: 1.42 vs 4.0 s per window on 2 cores) and the sensitivities are only k-means weights;
-the model's own weights are never modified.
+The forward/backward can run on a copy of the model in another dtype (`compute_dtype`). On a CPU
+that multiplies bf16 natively (AMX or AVX512-BF16) a bf16 copy with eager attention is ~2.8× faster
+than fp32 (SmolLM2, 512 tokens, 2 cores: 1.42 vs 4.0 s per window); on one without, bf16 is emulated
+and ~2.2× slower (9.1 vs 4.2 s on the 2-core AVX-512 development machine), so the CPU default follows
+the hardware. The sensitivities are only k-means weights; the model's own weights are never modified.
 """
 
 import copy
@@ -18,7 +19,13 @@ import time
 
 import torch
 
-CPU_DEFAULT_DTYPE = torch.bfloat16
+
+
+def cpu_default_dtype():
+    """bf16 where the CPU has bf16 matrix instructions, else fp32 (see the module docstring)."""
+    native_bf16 = any(getattr(torch.cpu, probe, lambda: False)()
+                      for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return torch.bfloat16 if native_bf16 else torch.float32
 
 
 def fisher_sensitivity(model, calib_ids, names=None, device=None):
@@ -60,11 +67,11 @@ def fisher_sensitivity(model, calib_ids, names=None, device=None):
 
 def fisher_module_stats(model, adapter, calib_ids, device, compute_dtype=None):
     """({module name: {"fisher": cpu fp32 tensor}} for every quantized linear, seconds).
-    compute_dtype: dtype of the forward/backward (default bf16 on CPU, the model's own on CUDA);
+    compute_dtype: dtype of the forward/backward (default on CPU: cpu_default_dtype(); on CUDA the model's own);
     a different dtype runs on a temporary copy, so the model itself is left untouched."""
     start = time.perf_counter()
     if compute_dtype is None and not str(device).startswith("cuda"):
-        compute_dtype = CPU_DEFAULT_DTYPE
+        compute_dtype = cpu_default_dtype()
     names = {f"{adapter.layers_path}.{i}.{n}" for i, layer in enumerate(adapter.layers(model))
              for n in adapter.linears(layer)}
     own_dtype = next(model.parameters()).dtype

@@ -1,13 +1,14 @@
 """Any-precision seed + incremental upscaling through the C++ extension kernels/csrc/anyprec_cpu.cpp,
 and a plain-Python reference of the same algorithms for the tests.
 
-`native_anyprec(weight, sens, seed_bits, parent_bits, upscale)` clusters every row of W [R, n]
-(OpenMP over rows) and returns None when the extension cannot be built (the caller then uses the
-torch path of kmeans.py). Per row, over the m distinct values sorted, with fp64 prefix sums so that
-the weighted SSE S(i, j) of any run [i, j) costs O(1):
+`native_anyprec(weight, sens, seed_bits, parent_bits, upscale)` clusters every row of W [R, n] (OpenMP
+over rows) and returns None when the extension cannot be built (the caller then uses the torch path of
+kmeans.py). Per row, over the m distinct values sorted, with fp64 prefix sums so that the weighted SSE
+S(i, j) of any run [i, j) costs O(1):
 
-  seed   the exact weighted k-means optimum with 2^s clusters (DP over runs, divide and conquer);
-         the torch path's inits + Lloyd + swap moves land 1-3 % above it on SmolLM2's rows.
+  seed   the exact weighted k-means optimum with 2^s clusters (DP over runs, divide and conquer, rows of
+         a layer above an upper bound on the optimum pruned); the torch path's inits + Lloyd + swap
+         moves land 1-3 % above it on SmolLM2's rows.
   split  per extra bit, every cluster cut in two at the exact weighted 2-means optimum of its members
          (Any-Precision LLM §4.2): the b-bit code of every weight is the top b bits of its parent code.
   joint  nested partitions chosen for J = Σ_b λ_b·SSE_b, b = s..p, λ_b = level_weights[b]/SSE_b(split),
@@ -30,7 +31,11 @@ the weighted SSE S(i, j) of any run [i, j) costs O(1):
          least J gained per seed SSE added first.
 
 The b-bit table is always the weighted means of the b-bit clusters. Results do not depend on the
-thread count (ties go to the lowest index, sums over rows are serial).
+thread count (ties go to the lowest index, sums over rows are serial) nor on the instruction set: the
+extension carries a plain and an AVX2 build of its scans (`isa`: "auto" picks AVX2 where the CPU has
+it), which evaluate every cost with the same operations, so they return the same bits. The speed-ups
+of the C++ path (pruned and narrowed DP layers, four candidates per step, shared look-ahead arrays)
+change no result: the tests hold it to the brute-force reference below.
 """
 
 from dataclasses import dataclass, field
@@ -40,6 +45,7 @@ import torch
 from quantkit.errors import QuantkitError
 
 UPSCALE_RULES = ("split", "joint")
+ISAS = ("auto", "generic", "avx2")
 # joint may raise the matrix's seed-width SSE by at most this fraction (rows with the least J gained
 # per seed SSE added go back to split first)
 DEFAULT_SEED_TOLERANCE = 0.01
@@ -91,13 +97,28 @@ def _column_or_matrix(sens, weight):
     return sens.detach().to(device="cpu", dtype=torch.float64).contiguous()  # checked (finite, >= 0) natively
 
 
+def check_isa(isa):
+    if isa not in ISAS:
+        raise QuantkitError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+
+
+def native_isa(isa="auto"):
+    """The instruction set the extension runs `isa` on ("generic" or "avx2"), "" if this CPU lacks it,
+    None without the extension."""
+    check_isa(isa)
+    ext = extension()
+    return None if ext is None else ext.isa(isa)
+
+
 def native_anyprec(weight, sens, seed_bits, parent_bits, upscale="split", level_weights=None, window=DEFAULT_WINDOW,
-                   seed_tolerance=DEFAULT_SEED_TOLERANCE, threads=None):
+                   seed_tolerance=DEFAULT_SEED_TOLERANCE, threads=None, isa="auto"):
     """Seed + upscaling of every row of weight [R, n] with sensitivity sens ([n], [R, n] or a broadcast
     view); NativeResult on weight's device, or None when the extension is unavailable.
     joint: level_weights (λ multipliers, bits seed..parent), window, seed_tolerance (None: no limit).
-    threads: OpenMP threads (default torch.get_num_threads())."""
+    threads: OpenMP threads (default torch.get_num_threads()); isa: "auto", "generic" or "avx2" (the
+    same results; for tests and measurements)."""
     check_upscale(upscale)
+    check_isa(isa)
     ext = extension()
     if ext is None:
         return None
@@ -113,7 +134,7 @@ def native_anyprec(weight, sens, seed_bits, parent_bits, upscale="split", level_
     try:
         codes, luts, sse, objective, seconds = ext.quantize(
             w, s, seed_bits, parent_bits, upscale == "joint", level_weights, int(window),
-            -1.0 if seed_tolerance is None else float(seed_tolerance), threads)
+            -1.0 if seed_tolerance is None else float(seed_tolerance), threads, isa)
     except RuntimeError as exc:  # the extension's input checks (TORCH_CHECK) name the row and the problem
         raise QuantkitError(str(exc).splitlines()[0]) from exc
     dev = weight.device
@@ -123,17 +144,20 @@ def native_anyprec(weight, sens, seed_bits, parent_bits, upscale="split", level_
                         seconds=dict(seconds))
 
 
-def native_kmeans_exact(weight, sens, k, threads=None):
-    """Exact weighted k-means inertia of every row (fp64 [R]), or None without the extension."""
+def native_kmeans_exact(weight, sens, k, threads=None, isa="auto", cuts=False):
+    """Exact weighted k-means inertia of every row (fp64 [R]), or None without the extension; with
+    cuts=True (cuts int32 [R, k+1] over the sorted distinct values, inertia)."""
+    check_isa(isa)
     ext = extension()
     if ext is None:
         return None
     w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
     try:
-        _, inertia = ext.kmeans_exact(w, _column_or_matrix(sens, w), int(k), int(threads or torch.get_num_threads()))
+        found, inertia = ext.kmeans_exact(w, _column_or_matrix(sens, w), int(k), int(threads or torch.get_num_threads()),
+                                          isa)
     except RuntimeError as exc:
         raise QuantkitError(str(exc).splitlines()[0]) from exc
-    return inertia
+    return (found, inertia) if cuts else inertia
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """End-to-end greedy decode speed, batch 1, of a Llama-2-7B-shaped model: fp16 vs quantized linears.
 
-  python benchmarks/bench_e2e_decode.py --json $OUT/e2e.json        # full: 32 layers, 128 + 1024 tokens, ~3 min
+  python benchmarks/bench_e2e_decode.py --json $OUT/e2e.json        # full: 32 layers, 128 + 1024 tokens, ~6 min
   python benchmarks/bench_e2e_decode.py --quick                     # 8 layers, 32 + 128 tokens, fewer formats
 
 The model is built on the GPU from Llama-2-7B's config (hidden 4096, intermediate 11008, 32 layers and
@@ -16,8 +16,11 @@ Decoding: prompt of 128 random tokens, prefill, then greedy decode steps from a 
 StaticCache, each step one CUDA-graph replay (quantkit.runtime.generate.StaticGreedyDecoder): no
 Python between kernels, the next token chosen on the GPU. Timed with CUDA events; ms/token is decode
 only (prefill apart), tokens/s = 1000 / (ms/token); e2e tokens/s also counts the prefill. Checked: the
-graph's first tokens equal eager decoding's. Share of the quantized linears: torch.profiler over a
-few eager decode steps, GPU kernel time inside the 224 linears / all GPU kernel time of the steps.
+graph's first tokens equal eager decoding's. Share of the linears: 1 - (the same graph step with the 224
+decoder linears answering from a preallocated buffer, no kernel) / (the real step); the part outside
+them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
+RMSNorms, the rotary embedding and SiLU*mul into one kernel each, for fp16 and every format alike;
+speedups compare formats at the same fusion.
 GB/s: bytes a decode step must read (linears as served, lm_head, norms, the static KV cache's
 max_len positions, which attention reads masked) / step time.
 """
@@ -37,6 +40,7 @@ from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
 from quantkit.kernels.dispatch import kernel_forward
 from quantkit.methods import make_method
 from quantkit.runtime import QuantLinear
+from quantkit.runtime.fusion import fuse_pointwise, unfuse_pointwise
 from quantkit.runtime.generate import StaticGreedyDecoder
 
 LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -181,50 +185,41 @@ def kernel_serves(modules):
         return kernel_forward(m, x) is not None
 
 
-def linear_share(decoder, prompt, modules):
-    """GPU time in `modules` / all GPU time, over PROFILE_STEPS eager decode steps."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+def linear_free_ms(model, modules, prompt, max_len, steps):
+    """ms per CUDA-graph decode step with every module of `modules` answering from a preallocated buffer
+    (a view: no kernel), the rest of the step unchanged: the time a step spends outside those linears."""
 
-    def labelled(forward):
-        def run(*args, **kwargs):
-            with record_function(LABEL):
-                return forward(*args, **kwargs)
-        return run
+    def stub(module):
+        buffer = torch.zeros(prompt.shape[0], prompt.shape[1], module.out_features, device="cuda",
+                             dtype=torch.float16)
+        return lambda x: buffer[: x.shape[0], : x.shape[1]]
 
     for m in modules:
-        m.forward = labelled(m.forward)
+        m.forward = stub(m)
     try:
+        decoder = StaticGreedyDecoder(model, max_len=max_len)
         decoder.prefill(prompt)
-        room = decoder.max_len - decoder.filled
-        decoder.steps(min(2, room - 1))
+        decoder.capture()
+        decoder.prefill(prompt)
+        decoder.steps(4)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            decoder.steps(min(PROFILE_STEPS, room - 2))
-            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decoder.steps(steps)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
     finally:
         for m in modules:
             del m.forward  # back to the class's forward
-    events = prof.events()
-    # device-side events are kernels, copies and (skipped) the GPU mirror of each record_function span;
-    # a CPU-side span's device_time_total sums the kernels launched inside it
-    total = sum(e.self_device_time_total for e in events
-                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    inside = sum(e.device_time_total for e in events if e.name == LABEL and e.device_type == DeviceType.CPU)
-    return None if total <= 0 else inside / total
 
 
-def time_decode(model, prompt, gen, repeats, use_graph, profile_modules=None):
-    """One format, one generation length: check, optional profile, capture, timed runs."""
+def time_decode(model, prompt, gen, repeats, use_graph, share_modules=None):
+    """One format, one generation length: check, capture, timed runs, optional linear-free step."""
     out = {"gen_tokens": gen}
     decoder = StaticGreedyDecoder(model, max_len=prompt.shape[1] + gen)
     check = min(CHECK_TOKENS, gen)
     eager = decoder.generate(prompt, check)  # also the kernels' first use, outside any capture
-    if profile_modules is not None:
-        try:
-            out["linear_share"] = linear_share(decoder, prompt, profile_modules)
-        except Exception as exc:  # profiling is a bonus: report, do not abort the run
-            out["linear_share"], out["profile_error"] = None, f"{type(exc).__name__}: {exc}"
     if use_graph:
         start = time.perf_counter()
         try:
@@ -256,10 +251,13 @@ def time_decode(model, prompt, gen, repeats, use_graph, profile_modules=None):
                graph_eager_agreement=(tokens[:, :check] == eager).float().mean().item(),
                max_len=decoder.max_len)
     del decoder
+    if share_modules is not None and out["cuda_graph"]:
+        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 1)
+        out["linear_share"] = 1 - out["linear_free_ms"] / ms_token
     return out
 
 
-def run_format(fmt, model, modules, prompt, args, results):
+def run_format(fmt, fusion, model, modules, prompt, args, results):
     start = time.perf_counter()
     serves = kernel_serves(modules)  # the first probe of a format builds its extension (minutes, once)
     if time.perf_counter() - start > 5:
@@ -274,16 +272,16 @@ def run_format(fmt, model, modules, prompt, args, results):
     for i, gen in enumerate(args.gen):
         if not serves and not args.include_reference:
             log(f"  {fmt}: no CUDA kernel serves it; skipped (--include-reference times the PyTorch path)")
-            results.append({"format": fmt, "gen_tokens": gen, "skipped": "no kernel"})
+            results.append({"format": fmt, "fusion": fusion, "gen_tokens": gen, "skipped": "no kernel"})
             continue
         torch.cuda.reset_peak_memory_stats()
         row = time_decode(model, prompt, gen, args.repeats, not args.no_graph,
-                          profile_modules=modules if i == 0 and not args.no_profile else None)
-        row.update(format=fmt, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
+                          share_modules=modules if i == 0 and not args.no_share else None)
+        row.update(format=fmt, fusion=fusion, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9)
         row["gb_per_s"] = step_bytes(model, modules, row["max_len"]) / (row["ms_per_token"] / 1000) / 1e9
         results.append(row)
-        log(f"  {fmt} gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
+        log(f"  {fmt} ({fusion}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
             + ("" if row["cuda_graph"] else "  (eager: " + row.get("graph_error", "--no-graph") + ")"))
         torch.cuda.empty_cache()
 
@@ -292,22 +290,25 @@ def run_format(fmt, model, modules, prompt, args, results):
 
 
 def add_speedups(results):
-    base = {r["gen_tokens"]: r["tokens_per_s"] for r in results if r["format"] == "fp16" and "tokens_per_s" in r}
+    """Speedup over fp16 with the same fusion and generation length."""
+    base = {(r["fusion"], r["gen_tokens"]): r["tokens_per_s"] for r in results
+            if r["format"] == "fp16" and "tokens_per_s" in r}
     for r in results:
-        if "tokens_per_s" in r and r["gen_tokens"] in base:
-            r["speedup"] = r["tokens_per_s"] / base[r["gen_tokens"]]
+        key = (r["fusion"], r["gen_tokens"])
+        if "tokens_per_s" in r and key in base:
+            r["speedup"] = r["tokens_per_s"] / base[key]
 
 
 def table(results):
-    cols = ["format", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
+    cols = ["format", "fusion", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
             "linear share", "graph", "graph=eager", "peak GB"]
     rows = []
     for r in results:
         if "skipped" in r:
-            rows.append([r["format"], "-", str(r["gen_tokens"]), f"skipped: {r['skipped']}"] + ["-"] * 9)
+            rows.append([r["format"], r["fusion"], "-", str(r["gen_tokens"]), f"skipped: {r['skipped']}"] + ["-"] * 9)
             continue
         share = r.get("linear_share")
-        rows.append([r["format"], f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
+        rows.append([r["format"], r["fusion"], f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
                      f"{r['ms_per_token']:.3f}", f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup']:.2f}x" if "speedup" in r else "-", f"{r['e2e_tokens_per_s']:.1f}",
                      f"{r['prefill_ms']:.1f}", f"{r['gb_per_s']:.0f}", "-" if share is None else f"{share:.1%}",
@@ -318,13 +319,15 @@ def table(results):
     return "\n".join(lines)
 
 
-def goal_lines(results, gen):
+def goal_lines(results, gen, fusions):
     lines = []
-    for fmt, goal in GOALS.items():
-        row = next((r for r in results if r["format"] == fmt and r["gen_tokens"] == gen and "speedup" in r), None)
-        if row is not None:
-            verdict = "met" if row["speedup"] >= goal else "MISSED"
-            lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens: {row['speedup']:.2f}x {verdict}")
+    for fusion in fusions:
+        for fmt, goal in GOALS.items():
+            row = next((r for r in results if r["format"] == fmt and r["fusion"] == fusion and r["gen_tokens"] == gen
+                        and "speedup" in r), None)
+            if row is not None:
+                verdict = "met" if row["speedup"] >= goal else "MISSED"
+                lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({fusion}): {row['speedup']:.2f}x {verdict}")
     return lines
 
 
@@ -337,7 +340,10 @@ def main():
     ap.add_argument("--formats", default=None, help=f"comma list from {','.join(FORMATS)}")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per length, median reported [2; quick 1]")
     ap.add_argument("--no-graph", action="store_true", help="time eager decode steps (shows Python overhead)")
-    ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler linear-share pass")
+    ap.add_argument("--no-share", action="store_true", help="skip the linear-free step timing (linear share)")
+    ap.add_argument("--fusion", default="both", choices=["none", "pointwise", "both"],
+                    help="pointwise: RMSNorm, rotary and SiLU*mul compiled (runtime.fusion), for fp16 and every "
+                         "format alike; both: each format timed without and with [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)
@@ -361,6 +367,7 @@ def main():
                            generator=torch.Generator(device="cuda").manual_seed(args.seed))
     log(f"model: {args.layers} layers, {len(dense)} linears, built in {time.perf_counter() - started:.1f} s")
     results = []
+    fusions = ["none", "pointwise"] if args.fusion == "both" else [args.fusion]
     families = []
     for fmt in formats:
         if family_of(fmt) not in families:
@@ -370,7 +377,11 @@ def main():
         modules = list(dense.values()) if family == "fp16" else list(install(model, dense, family, args.seed).values())
         log(f"{family}: built in {time.perf_counter() - t0:.1f} s")
         for fmt in (f for f in formats if family_of(f) == family):
-            run_format(fmt, model, modules, prompt, args, results)
+            for fusion in fusions:
+                if fusion == "pointwise":
+                    fuse_pointwise(model)
+                run_format(fmt, fusion, model, modules, prompt, args, results)
+                unfuse_pointwise(model)
         restore(model, dense)
         del modules
         torch.cuda.empty_cache()
@@ -382,7 +393,7 @@ def main():
     print(f"{props.name}, torch {torch.__version__}, transformers {transformers.__version__}; Llama-2-7B shapes, "
           f"{args.layers} layers, batch 1, prompt {args.prompt_len}, greedy, static cache + CUDA graph per step")
     print(table(results))
-    for line in goal_lines(results, args.gen[0]):
+    for line in goal_lines(results, args.gen[0], fusions):
         print(line)
     total = time.perf_counter() - started
     print(f"total {total:.0f} s")
@@ -391,7 +402,7 @@ def main():
         Path(args.json).write_text(json.dumps({
             "device": props.name, "torch": torch.__version__, "transformers": transformers.__version__,
             "config": {**LLAMA2_7B, "num_hidden_layers": args.layers}, "prompt_len": args.prompt_len,
-            "gen": args.gen, "repeats": args.repeats, "group_size": GROUP,
+            "gen": args.gen, "repeats": args.repeats, "group_size": GROUP, "fusions": fusions,
             "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT}, "seconds": round(total, 1),
             "results": results}, indent=2))
 

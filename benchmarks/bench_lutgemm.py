@@ -117,24 +117,32 @@ def bench_shape(ops, k, d, args, l2):
             for n in args.batches:
                 x = torch.randn(n, d, device=dev).half()
                 kernels = [("lut", 9)] + ([("mma", 1)] if n >= 2 and mma_ok(gs, d) else [])
+                # kept workspace, as QuantLinear runs it (the kernels leave it zero: no memset per call)
+                ws = torch.zeros(ops.workspace_floats(n, k), dtype=torch.float32, device=dev)
                 for kernel, mma_min in kernels:
                     err = check(ops, one, x, mma_min)
                     outs = [torch.empty(n, k, dtype=torch.float16, device=dev) for _ in copies]
-                    calls = [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o, mma_min)
-                             for t, o in zip(copies, outs)]
+                    calls = [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o, mma_min,
+                                                           ws) for t, o in zip(copies, outs)]
                     sec = time_calls(calls, args.iters)
+                    zeroed_us = None
+                    if n == 1:  # the same launches with a fresh zeroed workspace per call (one memset node more)
+                        zeroed_us = 1e6 * time_calls(
+                            [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o,
+                                                           mma_min) for t, o in zip(copies, outs)], args.iters)
                     gbps = (bcq_bytes(one) + n * d * 2 + n * k * 2) / sec / 1e9
                     c_sec, c_gbps = cublas[n]
                     row = {"k": k, "d": d, "bits": q, "group_size": g, "offset": args.offset, "batch": n,
                            "kernel": kernel, "bits_per_weight": bcq_bytes(one) * 8 / (k * d), "lut_us": sec * 1e6,
                            "lut_GBps": gbps, "cublas_us": c_sec * 1e6, "cublas_GBps": c_gbps,
                            "frac_of_cublas_rate": gbps / c_gbps, "speedup": c_sec / sec, "rel_err": err,
-                           "weight_copies": len(copies)}
+                           "weight_copies": len(copies), "lut_us_fresh_workspace": zeroed_us}
                     rows.append(row)
                     flag = "" if err < MAX_REL_ERR else f"  REL ERR {err:.1e} > {MAX_REL_ERR}"
                     print(f"{k:>6}x{d:<6} q{q} g{'row' if g == -1 else g:<4} b{n} {kernel}  {sec * 1e6:9.1f} us "
                           f"{gbps:8.0f} GB/s {gbps / c_gbps:6.2f}  | cuBLAS {c_sec * 1e6:9.1f} us {c_gbps:6.0f} GB/s "
-                          f"| x{c_sec / sec:5.2f}  err {err:.1e}{flag}", flush=True)
+                          f"| x{c_sec / sec:5.2f}  err {err:.1e}{flag}"
+                          + ("" if zeroed_us is None else f"  | memset per call {zeroed_us:7.1f} us"), flush=True)
             del copies, one
     return rows
 
@@ -148,10 +156,11 @@ def batch_sweep(ops, k, d, args, l2):
     for n in range(1, 9):
         x = torch.randn(n, d, device=dev).half()
         out = torch.empty(n, k, dtype=torch.float16, device=dev)
+        ws = torch.zeros(ops.workspace_floats(n, k), dtype=torch.float32, device=dev)
         res = {"batch": n}
         for kernel, mma_min in (("lut", 9), ("mma", 1)):
             res[f"{kernel}_us"] = 1e6 * time_calls(
-                [lambda t=t: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, out, mma_min)
+                [lambda t=t: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, out, mma_min, ws)
                  for t in copies], args.iters)
         points.append(res)
         print(f"{k:>6}x{d:<6} q3 g128 batch {n}: LUT {res['lut_us']:9.1f} us | tensor cores {res['mma_us']:9.1f} us",
@@ -177,8 +186,9 @@ def crossover(ops, k, d, args, l2):
     for n in CROSSOVER_TOKENS:
         x = torch.randn(n, d, device=dev).half()
         out = torch.empty(n, k, dtype=torch.float16, device=dev)
+        ws = torch.zeros(ops.workspace_floats(n, k), dtype=torch.float32, device=dev)
         lut = time_calls([lambda t=t: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, out,
-                                                   lutgemm.MMA_MIN_BATCH) for t in copies], args.iters)
+                                                   lutgemm.MMA_MIN_BATCH, ws) for t in copies], args.iters)
 
         def dq_mm(t):
             ops.dequantize(t.qweight, t.alpha, t.offset, t.group_size, scratch)

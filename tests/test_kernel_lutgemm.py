@@ -65,9 +65,16 @@ class FakeOps:
         return BCQQuantizedTensor(qweight=qweight, alpha=alpha, offset=offset, bits=qweight.shape[0],
                                   group_size=group_size, in_features=in_features)
 
-    def lut_gemm(self, x, qweight, alpha, offset, bias, group_size, out, mma_min_batch=9):
+    @staticmethod
+    def workspace_floats(n, k):
+        return n * k + 16
+
+    def lut_gemm(self, x, qweight, alpha, offset, bias, group_size, out, mma_min_batch=9, workspace=None):
         assert x.dtype == torch.float16 and x.is_contiguous() and out.dtype == torch.float16
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
+        if workspace is not None:
+            assert workspace.dtype == torch.float32 and workspace.numel() >= self.workspace_floats(x.shape[0], out.shape[1])
+            assert not workspace.any(), "the workspace must be zero on entry"
         self.calls.append(("lut_gemm", x.shape[0]))
         y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1]), bias)
         out.copy_(y.to(torch.float16))
@@ -327,9 +334,23 @@ def _random_cases(count, seed):
     return cases
 
 
-def _lut_gemm(ops, x, qt, bias, mma_min_batch=9):
+_SHARED_WS = {}
+
+
+def _lut_gemm(ops, x, qt, bias, mma_min_batch=9, kept_workspace=False):
+    """One call into fresh NaN poison. kept_workspace: on one zero buffer shared by every such call of the
+    session (as QuantLinear keeps one per module), which the kernels must leave zero."""
     out = torch.full((x.shape[0], qt.shape[0]), float("nan"), dtype=torch.float16, device=x.device)
-    ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, bias, qt.group_size, out, mma_min_batch)
+    ws = None
+    if kept_workspace:
+        need = ops.workspace_floats(x.shape[0], qt.shape[0])
+        shared = _SHARED_WS.get(x.device)
+        if shared is None or shared.numel() < need:
+            shared = _SHARED_WS[x.device] = torch.zeros(max(need, 1 << 20), dtype=torch.float32, device=x.device)
+        ws = shared[:need]
+    ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, bias, qt.group_size, out, mma_min_batch, ws)
+    if kept_workspace:
+        assert not shared.any(), "the kernels left partial sums or counters in the workspace"
     return out
 
 
@@ -347,8 +368,10 @@ def test_lut_gemm_random_shapes(ops, n, k, d, q, g, offset, bias, mma_min_batch)
     gen = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(n, d, device="cuda", generator=gen).half()
     b = (torch.randn(k, device="cuda", generator=gen) * 0.1).half() if bias else None
-    for _ in range(2):  # fresh poison each run: the second run must not lean on the first one's output
-        y = _lut_gemm(ops, x, qt, b, mma_min_batch)
+    # fresh poison each run: a later run must not lean on an earlier one's output; the kept workspace runs
+    # after every earlier case's on the same buffer
+    for kept in (False, True, True):
+        y = _lut_gemm(ops, x, qt, b, mma_min_batch, kept_workspace=kept)
         assert not torch.isnan(y).any()
         assert rel_err(y, reference(x, qt, b)) < TOL
 
@@ -361,7 +384,7 @@ def test_lut_gemm_random_shapes(ops, n, k, d, q, g, offset, bias, mma_min_batch)
 def test_lut_gemm_model_shapes(ops, k, d, n, q, g, mma_min_batch):
     qt = make_bcq(k, d, q, d if g == -1 else g, offset=False, seed=q, device="cuda")
     x = torch.randn(n, d, device="cuda").half()
-    y = _lut_gemm(ops, x, qt, None, mma_min_batch)
+    y = _lut_gemm(ops, x, qt, None, mma_min_batch, kept_workspace=True)
     assert not torch.isnan(y).any()
     assert rel_err(y, reference(x, qt)) < TOL
 

@@ -212,6 +212,26 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
 
 
+@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
+def test_pointwise_fusion_decodes_like_unfused(name, bits, artifact):
+    """runtime.fusion around the kernels, in a captured graph: the unfused decode's tokens up to a near-tie."""
+    from quantkit.runtime.fusion import fuse_pointwise, unfuse_pointwise
+
+    model = quantkit.load(artifact(name), device="cuda", bits=bits)
+    _require_kernel(model, tokens=1)
+    prompt = _prompts(model.config.vocab_size, batch=1)
+    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
+    decoder.capture()
+    plain = decoder.generate(prompt, STEPS)
+    try:
+        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1}
+        decoder.capture()
+        fused = decoder.generate(prompt, STEPS)
+    finally:
+        unfuse_pointwise(model)
+    _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
+
+
 def test_graph_recaptured_after_set_bits(artifact):
     path = artifact("anyprec")
     model = quantkit.load(path, device="cuda", bits=5)

@@ -48,6 +48,7 @@ MMA_MIN_BATCH = 9
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes
 
 _CONVERTED_ATTR = "_lutgemm_bcq"  # uniform modules: (device, BCQTensors), a plain attribute
+_WORKSPACE_ATTR = "_lutgemm_workspace"  # fp32 partial sums + tile counters, all zero between launches
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,34 @@ def use_matvec(tokens, out_features, in_features, group_size):
     return 0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
 
 
-def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None):
+def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None):
     """x [n, d] (any float dtype, CUDA) @ weightᵀ (+ bias) with the LUT kernel (launches of at least
-    mma_min_batch columns, default MMA_MIN_BATCH, on the tensor-core kernel) -> fp16 [n, k]."""
+    mma_min_batch columns, default MMA_MIN_BATCH, on the tensor-core kernel) -> fp16 [n, k].
+    workspace: a zero fp32 tensor of at least ops.workspace_floats(n, k) elements, which the kernels
+    leave zero (None: a fresh zeroed one per call, i.e. one memset more)."""
     ops = ops or kernels()
     x = x.to(torch.float16).contiguous()
     out = torch.empty(x.shape[0], t.out_features, dtype=torch.float16, device=x.device)
     if bias is not None:
         bias = bias.to(torch.float16).contiguous()
     ops.lut_gemm(x, t.qweight, t.alpha, t.offset, bias, t.group_size, out,
-                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch)
+                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace)
     return out
+
+
+def kept_workspace(module, device, out_features, ops):
+    """The module's LUT workspace on `device` for up to MATVEC_MAX_TOKENS columns, made on first use.
+    The kernels leave it zero, so calls need no memset (a CUDA-graph decode step has one node less per
+    linear). Not made while a CUDA graph is being captured (its zeroing would only be recorded, not run):
+    None then, and that launch zeroes its own. One module's launches must not run on two streams at once."""
+    ws = getattr(module, _WORKSPACE_ATTR, None)
+    if ws is not None and ws.device == device:
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    ws = torch.zeros(ops.workspace_floats(MATVEC_MAX_TOKENS, out_features), dtype=torch.float32, device=device)
+    setattr(module, _WORKSPACE_ATTR, ws)
+    return ws
 
 
 def dequantize(t: BCQTensors, dtype=torch.float16, ops=None):
@@ -140,7 +158,7 @@ def linear(module, x, t: BCQTensors, ops):
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], k)
     if use_matvec(tokens, k, t.in_features, t.group_size):
-        y = lut_matmul(x2, t, module.bias, ops).to(x.dtype)
+        y = lut_matmul(x2, t, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops)).to(x.dtype)
     else:
         bias = None if module.bias is None else module.bias.to(x.dtype)
         y = F.linear(x2, _dense_weight(module, t, x, ops), bias)

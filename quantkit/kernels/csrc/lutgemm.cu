@@ -132,8 +132,8 @@ struct LutParams {
   const __half* offset;  // [G, k] or nullptr
   const __half* bias;    // [k] or nullptr
   __half* y;             // [nb, k] output
-  float* ws;             // [nb, k] fp32 partial sums, zero on entry
-  int* counters;         // [n_rt] steps finished per row tile, zero on entry
+  float* ws;             // [nb, k] fp32 partial sums, zero on entry and left zero (see lut_gemm_kernel)
+  int* counters;         // [n_rt] steps finished per row tile, zero on entry and left zero
   int nb, d, k, q, W;
   int x_vec;             // x rows start 16-byte aligned (d % 8 == 0 and an aligned base): vector loads
   uint32_t group_magic;  // group of word w = umulhi(2w+1, magic), see group_magic() below; 0 if one group
@@ -439,7 +439,9 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 
 // ---- the matvec kernel ---------------------------------------------------------------------------
 
-// grid: min(steps, SMs × resident blocks); block: kThreads. p.ws and p.counters must be zero.
+// grid: min(steps, SMs × resident blocks); block: kThreads. p.ws and p.counters must be zero; the kernel
+// leaves them zero (the block completing a tile clears the tile's sums and counter), so a workspace
+// kept between launches needs no memset: one graph node less per matvec.
 // Block b runs steps [b·S/B, (b+1)·S/B) of the sequence (row tile, chunk, plane, step): stream-K at
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
@@ -555,7 +557,10 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
       }
       __threadfence();
       __syncthreads();
-      if (tid == 0) s_last = atomicAdd(p.counters + cur.rt, seg_steps) + seg_steps == p.n_ch * planes * NH;
+      if (tid == 0) {
+        s_last = atomicAdd(p.counters + cur.rt, seg_steps) + seg_steps == p.n_ch * planes * NH;
+        if (s_last) p.counters[cur.rt] = 0;  // every block has counted: back to zero for the next launch
+      }
       __syncthreads();
       if (s_last && row0 < p.k) {  // this block completed the tile: fp32 sums -> fp16 output
         __threadfence();
@@ -567,6 +572,7 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
         }
         for (int b = 0; b < p.nb; ++b) {
           const float4 v = load_l2(p.ws + size_t(b) * p.k + row0);
+          *reinterpret_cast<float4*>(p.ws + size_t(b) * p.k + row0) = make_float4(0.f, 0.f, 0.f, 0.f);
           uint2 out;
           out.x = float2_to_half2_bits(v.x + bias[0], v.y + bias[1]);
           out.y = float2_to_half2_bits(v.z + bias[2], v.w + bias[3]);
@@ -808,7 +814,10 @@ __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p)
       }
       __threadfence();
       __syncthreads();
-      if (tid == 0) s_last = atomicAdd(p.counters + cur.rt, seg_steps) + seg_steps == p.n_ch * planes;
+      if (tid == 0) {
+        s_last = atomicAdd(p.counters + cur.rt, seg_steps) + seg_steps == p.n_ch * planes;
+        if (s_last) p.counters[cur.rt] = 0;
+      }
       __syncthreads();
       if (s_last && row0 < p.k) {
         __threadfence();
@@ -822,6 +831,7 @@ __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p)
         for (int j = 0; j < 2; ++j) {
           if (n0 + j >= p.nb) continue;
           const float4 v = load_l2(p.ws + size_t(n0 + j) * p.k + row0);
+          *reinterpret_cast<float4*>(p.ws + size_t(n0 + j) * p.k + row0) = make_float4(0.f, 0.f, 0.f, 0.f);
           uint2 out;
           out.x = float2_to_half2_bits(v.x + bias[0], v.y + bias[1]);
           out.y = float2_to_half2_bits(v.z + bias[2], v.w + bias[3]);
@@ -1017,7 +1027,7 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 
 // y[n, k] = x[n, d] · wᵀ (+ bias), all fp16, as launches of at most 8 columns on `stream`; a launch
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
-// ws: lutgemm_workspace_floats(n, k) zeroed floats. Returns the first launch error.
+// ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
                               int device, cudaStream_t stream) {
@@ -1117,12 +1127,18 @@ void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::op
 
 }  // namespace
 
+int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
+  QK_CHECK(n >= 0 && k >= 0, "workspace_floats needs n, k >= 0, got ", n, ", ", k);
+  return int64_t(lutgemm_workspace_floats(n, k));
+}
+
 // out[n, k] = x[n, d] @ wᵀ (+ bias), fp16 in and out, written into `out`. Launches of at least
 // mma_min_batch columns (of at most 8 each) run on the tensor-core kernel when group_size % 128 == 0
 // or there is one group per row; kMaxBatch + 1 keeps every launch on the LUT kernel.
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                      int64_t group_size, const at::Tensor& out, int64_t mma_min_batch) {
+                      int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
+                      const std::optional<at::Tensor>& workspace) {
   QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
   const int64_t n = x.size(0), d = x.size(1);
@@ -1149,7 +1165,17 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   check_aligned(out, 8, "out");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor ws = at::zeros({int64_t(lutgemm_workspace_floats(n, k))}, x.options().dtype(at::kFloat));
+  const int64_t ws_floats = int64_t(lutgemm_workspace_floats(n, k));
+  at::Tensor ws;
+  if (workspace.has_value()) {  // kept by the caller, all zero: the kernels leave it zero again
+    ws = *workspace;
+    QK_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() >= ws_floats && ws.device() == x.device(),
+             "workspace must be a contiguous fp32 tensor of at least ", ws_floats, " elements on ", x.device(), ", got ",
+             ws.sizes(), " ", ws.scalar_type(), " on ", ws.device());
+    check_aligned(ws, 16, "workspace");
+  } else {
+    ws = at::zeros({ws_floats}, x.options().dtype(at::kFloat));
+  }
   const cudaError_t err = lutgemm_cuda_gemm(x.data_ptr(), int(n), int(d), qweight.data_ptr<int>(), alpha.data_ptr(),
                                             ptr_or_null(offset), ptr_or_null(bias), out.data_ptr(), ws.data_ptr<float>(),
                                             int(q), int(W), int(k), int(G), int(group_size),
@@ -1278,6 +1304,11 @@ int main(int argc, char** argv) {
         default: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<8>(p); }); break;
       }
     }
+    for (size_t i = 0; i < ws.size(); ++i)
+      if (ws[i] != 0.f) {  // a later launch on the same workspace would add to it
+        std::fprintf(stderr, "workspace not left zero at float %zu of %zu\n", i, ws.size());
+        return 3;
+      }
     emu::write_file(dir + "y.bin", y);
     return 0;
   }

@@ -19,7 +19,8 @@ only (prefill apart), tokens/s = 1000 / (ms/token); e2e tokens/s also counts the
 graph's first tokens equal eager decoding's. Share of the linears: 1 - (the same graph step with the 224
 decoder linears answering from a preallocated buffer, no kernel) / (the real step); the part outside
 them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
-RMSNorms, the rotary embedding and SiLU*mul into one kernel each, for fp16 and every format alike;
+RMSNorms, the rotary embedding and SiLU*mul into one kernel each; "full" also stacks q/k/v and gate/up
+into one linear each (one launch over the stacked rows). Both apply to fp16 and every format alike, and
 speedups compare formats at the same fusion.
 GB/s: bytes a decode step must read (linears as served, lm_head, norms, the static KV cache's
 max_len positions, which attention reads masked) / step time.
@@ -40,7 +41,7 @@ from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
 from quantkit.kernels.dispatch import kernel_forward
 from quantkit.methods import make_method
 from quantkit.runtime import QuantLinear
-from quantkit.runtime.fusion import fuse_pointwise, unfuse_pointwise
+from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
 from quantkit.runtime.generate import StaticGreedyDecoder
 
 LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -252,7 +253,7 @@ def time_decode(model, prompt, gen, repeats, use_graph, share_modules=None):
                max_len=decoder.max_len)
     del decoder
     if share_modules is not None and out["cuda_graph"]:
-        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 1)
+        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 6)
         out["linear_share"] = 1 - out["linear_free_ms"] / ms_token
     return out
 
@@ -267,6 +268,17 @@ def run_format(fmt, fusion, model, modules, prompt, args, results):
         bits = int(fmt.split("-")[1])
         for m in modules:
             m.set_bits(bits)
+    stacking = fuse_projections(model) if fusion == "full" else None  # after set_bits: stacks copy the bit-width
+    try:
+        in_use = modules if stacking is None else [m for n, m in model.named_modules() if ".layers." in n
+                                                   and isinstance(m, (torch.nn.Linear, QuantLinear))]
+        _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves)
+    finally:
+        if stacking is not None:
+            stacking.undo()
+
+
+def _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves):
     linears_read = linear_bytes(modules)
     numel = sum(m.in_features * m.out_features for m in modules)
     for i, gen in enumerate(args.gen):
@@ -276,7 +288,7 @@ def run_format(fmt, fusion, model, modules, prompt, args, results):
             continue
         torch.cuda.reset_peak_memory_stats()
         row = time_decode(model, prompt, gen, args.repeats, not args.no_graph,
-                          share_modules=modules if i == 0 and not args.no_share else None)
+                          share_modules=in_use if i == 0 and not args.no_share else None)
         row.update(format=fmt, fusion=fusion, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9)
         row["gb_per_s"] = step_bytes(model, modules, row["max_len"]) / (row["ms_per_token"] / 1000) / 1e9
@@ -341,9 +353,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per length, median reported [2; quick 1]")
     ap.add_argument("--no-graph", action="store_true", help="time eager decode steps (shows Python overhead)")
     ap.add_argument("--no-share", action="store_true", help="skip the linear-free step timing (linear share)")
-    ap.add_argument("--fusion", default="both", choices=["none", "pointwise", "both"],
-                    help="pointwise: RMSNorm, rotary and SiLU*mul compiled (runtime.fusion), for fp16 and every "
-                         "format alike; both: each format timed without and with [%(default)s]")
+    ap.add_argument("--fusion", default="none,pointwise,full",
+                    help="comma list of: none; pointwise (RMSNorm, rotary and SiLU*mul compiled); full (pointwise, "
+                         "and q/k/v and gate/up stacked into one linear each); runtime.fusion, applied to fp16 and "
+                         "every format alike [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)
@@ -367,7 +380,9 @@ def main():
                            generator=torch.Generator(device="cuda").manual_seed(args.seed))
     log(f"model: {args.layers} layers, {len(dense)} linears, built in {time.perf_counter() - started:.1f} s")
     results = []
-    fusions = ["none", "pointwise"] if args.fusion == "both" else [args.fusion]
+    fusions = args.fusion.split(",")
+    if not fusions or set(fusions) - {"none", "pointwise", "full"}:
+        raise SystemExit(f"--fusion takes none, pointwise, full; got {args.fusion}")
     families = []
     for fmt in formats:
         if family_of(fmt) not in families:
@@ -378,7 +393,7 @@ def main():
         log(f"{family}: built in {time.perf_counter() - t0:.1f} s")
         for fmt in (f for f in formats if family_of(f) == family):
             for fusion in fusions:
-                if fusion == "pointwise":
+                if fusion in ("pointwise", "full"):
                     fuse_pointwise(model)
                 run_format(fmt, fusion, model, modules, prompt, args, results)
                 unfuse_pointwise(model)

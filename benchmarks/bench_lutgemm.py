@@ -18,6 +18,7 @@ also checked against dequantize + fp32 matmul before it is timed.
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -175,6 +176,35 @@ def batch_sweep(ops, k, d, args, l2):
     return {"k": k, "d": d, "bits": 3, "group_size": 128, "points": points, "suggested_mma_min_batch": best}
 
 
+GRID_SWEEP_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]
+
+
+def grid_sweep(ops, args, l2):
+    """Batch 1, g128: the LUT kernel's grid capped so each block runs at least s pipeline steps (one
+    step = 4 words of one plane for 1024 rows; a block builds a chunk's tables once per chunk it enters
+    and adds its partial sums with atomics once per row tile), vs the default one wave of resident blocks."""
+    dev, out_rows = "cuda", []
+    for k, d in GRID_SWEEP_SHAPES:
+        for q in (3, 4):
+            one = random_bcq(k, d, q, 128, False, dev)
+            copies = [one] + [random_bcq(k, d, q, 128, False, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+            x = torch.randn(1, d, device=dev).half()
+            out = torch.empty(1, k, dtype=torch.float16, device=dev)
+            ws = torch.zeros(ops.workspace_floats(1, k), dtype=torch.float32, device=dev)
+            steps = math.ceil(k / 1024) * math.ceil(d / 256) * q * 2  # row tiles x chunks x planes x NH (BP = 1)
+            res = {"k": k, "d": d, "bits": q, "steps": steps, "us": {}}
+            for spb in (0, 1, 2, 3, 4, 6, 8, 12):
+                blocks = 0 if spb == 0 else math.ceil(steps / spb)
+                res["us"][spb] = 1e6 * time_calls(
+                    [lambda t=t: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, out, 9, ws, blocks)
+                     for t in copies], args.iters)
+            out_rows.append(res)
+            print(f"{k:>6}x{d:<6} q{q} steps {steps:5d}: " + "  ".join(
+                f"{'auto' if s == 0 else f'>={s}'} {v:6.1f}" for s, v in res["us"].items()), flush=True)
+            del copies, one
+    return out_rows
+
+
 def crossover(ops, k, d, args, l2):
     """Per token count: LUT kernel, dequantize + cuBLAS, cuBLAS on a cached fp16 weight."""
     dev = "cuda"
@@ -251,6 +281,7 @@ def main():
     ap.add_argument("--offset", action="store_true", help="BCQ with an offset z (as uniform conversions have)")
     ap.add_argument("--iters", type=int, default=10, help="timed graph replays per measurement")
     ap.add_argument("--no-crossover", action="store_true")
+    ap.add_argument("--grid-sweep", action="store_true", help="only the grid-size sweep (minimum steps per block)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -272,6 +303,13 @@ def main():
     l2 = props.L2_cache_size
     device = torch.cuda.get_device_name()
     print(f"{device}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MiB; extension ready in {build_s:.1f} s")
+    if args.grid_sweep:
+        rows = grid_sweep(ops, args, l2)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"),
+                                                   "grid_sweep": rows}, indent=1))
+        return
     print("shape          config       kernel   latency   eff. rate  frac | cuBLAS fp16 (same batch)     | speedup")
     torch.manual_seed(0)
     rows = []

@@ -2,6 +2,8 @@
 
 import torch
 
+import pytest
+
 from quantkit.runtime.fusion import fuse_pointwise, unfuse_pointwise
 from quantkit.runtime.generate import StaticGreedyDecoder
 
@@ -55,3 +57,61 @@ def test_unknown_pieces_are_left_alone():
     opt = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32))
     assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0}
+
+
+def _quantize_linears(model, kind):
+    """Every decoder linear as a QuantLinear: "uniform" (RTN 4-bit g32) or "anyprec" (random 5-bit parent)."""
+    from quantkit.formats.anyprec import AnyPrecisionTensor
+    from quantkit.methods import make_method
+    from quantkit.runtime import QuantLinear
+
+    gen = torch.Generator().manual_seed(3)
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]:
+        k, d = linear.weight.shape
+        if kind == "uniform":
+            qt, _ = make_method("rtn", bits=4, group_size=32).quantize(linear.weight.detach(), None)
+        else:
+            planes = torch.randint(-(2**31), 2**31 - 1, (5, k, d // 32), dtype=torch.int32, generator=gen)
+            luts = {b: (0.05 * torch.randn(k, 2**b, generator=gen)).sort(dim=1).values.half() for b in (3, 4, 5)}
+            qt = AnyPrecisionTensor(planes=planes, luts=luts, seed_bits=3, parent_bits=5, in_features=d)
+        model.set_submodule(name, QuantLinear(qt, None, bits=4 if kind == "anyprec" else None))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["float", "uniform", "anyprec"])
+def test_stacked_projections_compute_the_same_outputs(kind):
+    from quantkit.runtime.fusion import fuse_projections
+
+    model = _tiny_llama()
+    if kind != "float":
+        _quantize_linears(model, kind)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        want = model(ids).logits
+    originals = {n: m for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
+    handle = fuse_projections(model)
+    assert handle.count == 2 * 2  # qkv and gate/up of both layers
+    stacked = model.model.layers[0].self_attn.fused_q_k_v
+    assert stacked.out_features == 64 + 2 * 32  # 4 query heads, 2 key/value heads of 16
+    with torch.inference_mode():
+        got = model(ids).logits
+        tokens = StaticGreedyDecoder(model, max_len=20, batch_size=2).generate(ids, 6)
+    # uniform runs on its exact BCQ form, which rounds the offset to fp16: not bit-equal to the reference
+    tol = 1e-5 if kind != "uniform" else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    handle.undo()
+    assert {n: m for n, m in model.named_modules() if n in originals} == originals
+    assert not any(n.startswith("fused") for layer in model.model.layers for n, _ in layer.named_children())
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, want)
+        assert torch.equal(StaticGreedyDecoder(model, max_len=20, batch_size=2).generate(ids, 6), tokens)
+
+
+def test_projections_that_differ_stay_apart():
+    from quantkit.runtime.fusion import fuse_projections
+
+    model = _quantize_linears(_tiny_llama(layers=1), "anyprec")
+    model.model.layers[0].self_attn.k_proj.set_bits(3)  # q, v serve 4 bits
+    handle = fuse_projections(model)
+    assert handle.count == 1 and hasattr(model.model.layers[0].mlp, "fused_gate_up")
+    assert not hasattr(model.model.layers[0].self_attn, "fused_q_k_v")

@@ -212,10 +212,12 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
 
 
-@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
-def test_pointwise_fusion_decodes_like_unfused(name, bits, artifact):
-    """runtime.fusion around the kernels, in a captured graph: the unfused decode's tokens up to a near-tie."""
-    from quantkit.runtime.fusion import fuse_pointwise, unfuse_pointwise
+@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("rtn", None), ("anyprec", 3)])
+@pytest.mark.parametrize("stack", [False, True], ids=["pointwise", "full"])
+def test_fusion_decodes_like_unfused(name, bits, stack, artifact):
+    """runtime.fusion around the kernels (compiled pointwise parts; with stack, q/k/v and gate/up as one
+    kernel launch each), in a captured graph: the unfused decode's tokens up to a near-tie."""
+    from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
 
     model = quantkit.load(artifact(name), device="cuda", bits=bits)
     _require_kernel(model, tokens=1)
@@ -223,12 +225,19 @@ def test_pointwise_fusion_decodes_like_unfused(name, bits, artifact):
     decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
     decoder.capture()
     plain = decoder.generate(prompt, STEPS)
+    stacking = None
     try:
         assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1}
+        if stack:
+            stacking = fuse_projections(model)
+            assert stacking.count == 4
+            _require_kernel(model, tokens=1)  # the stacked modules too
         decoder.capture()
         fused = decoder.generate(prompt, STEPS)
     finally:
         unfuse_pointwise(model)
+        if stacking is not None:
+            stacking.undo()
     _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
 
 

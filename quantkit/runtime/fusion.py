@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.anyprec import AnyPrecisionTensor
+from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
+from quantkit.runtime.quant_linear import QuantLinear
 
 
 def _rms_norm(hidden, weight, eps):
@@ -115,3 +118,128 @@ def unfuse_pointwise(model):
             rotary = getattr(modeling, "apply_rotary_pos_emb", None)
             if getattr(rotary, "_quantkit_fused", False):
                 modeling.apply_rotary_pos_emb = rotary._quantkit_original
+
+
+# --- one matvec for projections that share their input ------------------------------------------------
+#
+# q/k/v (and gate/up) read the same activation: one launch over the stacked rows streams the same bytes
+# with fewer, larger kernels (at batch 1 a 4096x4096 matvec is mostly launch and ramp-up). transformers'
+# attention and MLP call the projections one by one, so each becomes a _Slice of the stacked module: the
+# first computes the stacked output, the others return their rows of it when given the same input tensor.
+
+_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Slice(torch.nn.Module):
+    def __init__(self, stacked, start, stop, first, last, state):
+        super().__init__()
+        object.__setattr__(self, "stacked", stacked)  # registered once, on the parent (not per slice)
+        self.start, self.stop, self.first, self.last, self.state = start, stop, first, last, state
+        self.in_features, self.out_features = stacked.in_features, stop - start
+
+    def forward(self, x):
+        if self.first or self.state.get("input") is not x:
+            self.state.update(input=x, output=self.stacked(x))
+        out = self.state["output"][..., self.start : self.stop]
+        if self.last:
+            self.state.clear()  # nothing kept alive between steps
+        return out
+
+
+def _stack_quantized(mods):
+    tensors = [m.qtensor() for m in mods]
+    first = tensors[0]
+    if isinstance(first, AnyPrecisionTensor):
+        if any(not isinstance(t, AnyPrecisionTensor) or (t.seed_bits, t.parent_bits, t.in_features)
+               != (first.seed_bits, first.parent_bits, first.in_features) for t in tensors):
+            return None
+        return AnyPrecisionTensor(planes=torch.cat([t.planes for t in tensors], dim=1),
+                                  luts={b: torch.cat([t.luts[b] for t in tensors]) for b in first.luts},
+                                  seed_bits=first.seed_bits, parent_bits=first.parent_bits,
+                                  in_features=first.in_features)
+    if mods[0].meta["format"] == "uniform":
+        if any(m.meta.get("has_g_idx") for m in mods):
+            return None
+        tensors = [bcq_from_uniform(t) for t in tensors]  # what the kernels run anyway
+        first = tensors[0]
+    if not all(isinstance(t, BCQQuantizedTensor) for t in tensors):
+        return None
+    if any((t.bits, t.group_size, t.in_features, t.offset is None) != (first.bits, first.group_size,
+                                                                      first.in_features, first.offset is None)
+           for t in tensors):
+        return None
+    return BCQQuantizedTensor(qweight=torch.cat([t.qweight for t in tensors], dim=2),
+                              alpha=torch.cat([t.alpha for t in tensors], dim=2),
+                              offset=None if first.offset is None else torch.cat([t.offset for t in tensors], dim=1),
+                              bits=first.bits, group_size=first.group_size, in_features=first.in_features)
+
+
+def _stack(mods):
+    """One module computing the concatenated outputs of `mods`, or None when they cannot be stacked."""
+    if len({m.in_features for m in mods}) != 1:
+        return None
+    with_bias = [m.bias is not None for m in mods]
+    bias = torch.cat([m.bias for m in mods]) if all(with_bias) else None
+    if any(with_bias) and not all(with_bias):
+        return None
+    if all(type(m) is torch.nn.Linear for m in mods):
+        w = mods[0].weight
+        stacked = torch.nn.Linear(w.shape[1], sum(m.out_features for m in mods), bias=bias is not None,
+                                  device=w.device, dtype=w.dtype).requires_grad_(False)
+        stacked.weight.copy_(torch.cat([m.weight for m in mods]))
+        if bias is not None:
+            stacked.bias.copy_(bias)
+        return stacked
+    if all(isinstance(m, QuantLinear) for m in mods) and len({m.bits for m in mods}) == 1:
+        qt = _stack_quantized(mods)
+        if qt is None:
+            return None
+        return QuantLinear(qt, bias, compute_dtype=mods[0].compute_dtype, cache_weight=mods[0].cache_weight,
+                           bits=mods[0].bits)
+    return None
+
+
+class ProjectionFusion:
+    """Undo handle of fuse_projections: `undo()` puts the original modules back."""
+
+    def __init__(self):
+        self.replaced = []  # (parent, attribute, original module)
+        self.added = []  # (parent, attribute of the stacked module)
+
+    @property
+    def count(self):
+        return len(self.added)
+
+    def undo(self):
+        for parent, name, original in self.replaced:
+            setattr(parent, name, original)
+        for parent, name in self.added:
+            delattr(parent, name)
+        self.replaced, self.added = [], []
+
+
+def fuse_projections(model):
+    """Stack q/k/v and gate/up of every layer into one linear each (float nn.Linear, or QuantLinear of BCQ,
+    uniform via its exact BCQ form, or any-precision at the same served bit-width); returns a
+    ProjectionFusion handle. Groups whose modules differ (format, bits, groups, bias) stay as they are.
+    The originals are kept by the handle until undo(), so memory holds both meanwhile; for any-precision,
+    call set_bits on the stacked modules (or fuse after choosing the bit-width)."""
+    handle = ProjectionFusion()
+    for parent in list(model.modules()):
+        for names in _GROUPS:
+            mods = [getattr(parent, n, None) for n in names]
+            if any(m is None or isinstance(m, _Slice) for m in mods):
+                continue
+            stacked = _stack(mods)
+            if stacked is None:
+                continue
+            attr = "fused_" + "_".join(n.split("_")[0] for n in names)
+            setattr(parent, attr, stacked)
+            handle.added.append((parent, attr))
+            state, start = {}, 0
+            for i, (name, module) in enumerate(zip(names, mods)):
+                stop = start + module.out_features
+                setattr(parent, name, _Slice(stacked, start, stop, i == 0, i == len(names) - 1, state))
+                handle.replaced.append((parent, name, module))
+                start = stop
+    return handle

@@ -992,6 +992,8 @@ inline int lut_grid(const LutParams& p, int max_blocks) {
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+
 #include "check.h"
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -1030,7 +1032,7 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 // ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
-                              int device, cudaStream_t stream) {
+                              int blocks, int device, cudaStream_t stream) {
   using namespace lutgemm;
   static int sm_count[64] = {0};  // per device, asked once
   cudaError_t err = cudaSuccess;
@@ -1052,12 +1054,12 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     const int bp = padded_batch(nb);
     if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
-      bcq_mma_kernel<<<lut_grid(pm, sms * resident_blocks(0)), kThreads, 0, stream>>>(pm);
+      bcq_mma_kernel<<<lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0)), kThreads, 0, stream>>>(pm);
       err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       continue;
     }
-    const int grid = lut_grid(p, sms * resident_blocks(bp));
+    const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
     if (bp == 1) lut_gemm_kernel<1><<<grid, kThreads, 0, stream>>>(p);
     else if (bp == 2) lut_gemm_kernel<2><<<grid, kThreads, 0, stream>>>(p);
     else if (bp == 4) lut_gemm_kernel<4><<<grid, kThreads, 0, stream>>>(p);
@@ -1138,7 +1140,7 @@ int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
-                      const std::optional<at::Tensor>& workspace) {
+                      const std::optional<at::Tensor>& workspace, int64_t blocks) {
   QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
   const int64_t n = x.size(0), d = x.size(1);
@@ -1180,7 +1182,8 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                                             ptr_or_null(offset), ptr_or_null(bias), out.data_ptr(), ws.data_ptr<float>(),
                                             int(q), int(W), int(k), int(G), int(group_size),
                                             int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
-                                            x.device().index(), c10::cuda::getCurrentCUDAStream());
+                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), x.device().index(),
+                                            c10::cuda::getCurrentCUDAStream());
   QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", n, ", ", d, "], weight ", k, "x", d, ", q = ", q,
               ", g = ", group_size, ", offset = ", offset.has_value(), ": ", cudaGetErrorString(err));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

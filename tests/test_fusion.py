@@ -93,9 +93,14 @@ def test_stacked_projections_compute_the_same_outputs(kind):
     assert handle.count == 2 * 2  # qkv and gate/up of both layers
     stacked = model.model.layers[0].self_attn.fused_q_k_v
     assert stacked.out_features == 64 + 2 * 32  # 4 query heads, 2 key/value heads of 16
-    with torch.inference_mode():
-        got = model(ids).logits
-        tokens = StaticGreedyDecoder(model, max_len=20, batch_size=2).generate(ids, 6)
+    if kind == "float":  # with the compiled pointwise parts too: SiLU*mul then reads the stacked [gate | up]
+        fuse_pointwise(model)
+    try:
+        with torch.inference_mode():
+            got = model(ids).logits
+            tokens = StaticGreedyDecoder(model, max_len=20, batch_size=2).generate(ids, 6)
+    finally:
+        unfuse_pointwise(model)
     # uniform runs on its exact BCQ form, which rounds the offset to fp16: not bit-equal to the reference
     tol = 1e-5 if kind != "uniform" else 2e-3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -41,9 +41,17 @@ def _silu_mul(gate, up):
     return F.silu(gate) * up
 
 
+def _silu_mul_halves(gate_up):
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn, fullgraph=True)
+    # dynamic: prefill and decode shapes, and the strided views of stacked projections, share one graph
+    # instead of recompiling per shape and stride. Not fullgraph: a process that runs many devices and
+    # dtypes can reach dynamo's recompile limit, and then these run eagerly instead of failing.
+    return torch.compile(fn, dynamic=True)
 
 
 def _fused_rms_forward(self, hidden_states):
@@ -51,7 +59,11 @@ def _fused_rms_forward(self, hidden_states):
 
 
 def _fused_mlp_forward(self, x):
-    return self.down_proj(_compiled(_silu_mul)(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj, self.up_proj
+    if isinstance(gate, _Slice) and isinstance(up, _Slice) and gate.stacked is up.stacked and gate.start == 0 \
+            and gate.stop == up.start and up.stop == gate.stacked.out_features == 2 * gate.stop:
+        return self.down_proj(_compiled(_silu_mul_halves)(gate.stacked(x)))  # fuse_projections' [gate | up]
+    return self.down_proj(_compiled(_silu_mul)(gate(x), up(x)))
 
 
 @functools.cache

@@ -98,6 +98,12 @@ def check(ops, t, x, mma_min_batch):
     return ((y - ref).norm() / ref.norm()).item()
 
 
+def bcq_copies(k, d, q, g, offset, l2, dev="cuda"):
+    """Random BCQ weights of one configuration, as many copies as it takes to exceed L2 (HBM-bound timing)."""
+    one = random_bcq(k, d, q, g, offset, dev)
+    return [one] + [random_bcq(k, d, q, g, offset, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+
+
 def bench_shape(ops, k, d, args, l2):
     rows = []
     dev = "cuda"
@@ -113,8 +119,8 @@ def bench_shape(ops, k, d, args, l2):
     for q in args.bits:
         for g in args.groups:
             gs = d if g == -1 else g
-            one = random_bcq(k, d, q, gs, args.offset, dev)
-            copies = [one] + [random_bcq(k, d, q, gs, args.offset, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+            copies = bcq_copies(k, d, q, gs, args.offset, l2)
+            one = copies[0]
             for n in args.batches:
                 x = torch.randn(n, d, device=dev).half()
                 kernels = [("lut", 9)] + ([("mma", 1)] if n >= 2 and mma_ok(gs, d) else [])
@@ -151,8 +157,7 @@ def bench_shape(ops, k, d, args, l2):
 def batch_sweep(ops, k, d, args, l2):
     """LUT vs tensor-core kernel for 1..8 columns (q3, g128): where MMA_MIN_BATCH should sit."""
     dev = "cuda"
-    one = random_bcq(k, d, 3, 128, False, dev)
-    copies = [one] + [random_bcq(k, d, 3, 128, False, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+    copies = bcq_copies(k, d, 3, 128, False, l2)
     points = []
     for n in range(1, 9):
         x = torch.randn(n, d, device=dev).half()
@@ -186,8 +191,8 @@ def grid_sweep(ops, args, l2):
     dev, out_rows = "cuda", []
     for k, d in GRID_SWEEP_SHAPES:
         for q in (3, 4):
-            one = random_bcq(k, d, q, 128, False, dev)
-            copies = [one] + [random_bcq(k, d, q, 128, False, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+            copies = bcq_copies(k, d, q, 128, False, l2)
+            one = copies[0]
             x = torch.randn(1, d, device=dev).half()
             out = torch.empty(1, k, dtype=torch.float16, device=dev)
             ws = torch.zeros(ops.workspace_floats(1, k), dtype=torch.float32, device=dev)
@@ -208,8 +213,7 @@ def grid_sweep(ops, args, l2):
 def crossover(ops, k, d, args, l2):
     """Per token count: LUT kernel, dequantize + cuBLAS, cuBLAS on a cached fp16 weight."""
     dev = "cuda"
-    one = random_bcq(k, d, 3, 128, False, dev)
-    copies = [one] + [random_bcq(k, d, 3, 128, False, dev) for _ in range(weight_copies(bcq_bytes(one), l2) - 1)]
+    copies = bcq_copies(k, d, 3, 128, False, l2)
     dense = [lutgemm.dequantize(t, torch.float16, ops) for t in copies[:weight_copies(k * d * 2, l2)]]
     scratch = torch.empty(k, d, dtype=torch.float16, device=dev)
     points = []

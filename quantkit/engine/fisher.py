@@ -20,7 +20,6 @@ import time
 import torch
 
 
-
 def cpu_default_dtype():
     """bf16 where the CPU has bf16 matrix instructions, else fp32 (see the module docstring)."""
     native_bf16 = any(getattr(torch.cpu, probe, lambda: False)()

@@ -53,8 +53,6 @@ GOALS = {"bcq-q3-g128": 2.5, "anyprec-3": 2.5, "bcq-q4-g128": 2.0, "gptq4-bcq-g1
 GROUP = 128
 ANYPREC_SEED, ANYPREC_PARENT = 3, 8
 CHECK_TOKENS = 16  # graph vs eager tokens compared
-PROFILE_STEPS = 4
-LABEL = "quantkit.bench.linear"
 
 
 def log(msg):
@@ -81,8 +79,9 @@ def build_model(layers):
 
 
 def decoder_linears(model):
-    """{name: nn.Linear} of the decoder layers (what quantization replaces; lm_head stays fp16)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    """{name: module} of the decoder layers' linears, float or QuantLinear (what quantization replaces,
+    and what a decode step runs; lm_head stays fp16)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear)) and ".layers." in n}
 
 
 def random_bcq(k, d, bits, gen):
@@ -270,8 +269,7 @@ def run_format(fmt, fusion, model, modules, prompt, args, results):
             m.set_bits(bits)
     stacking = fuse_projections(model) if fusion == "full" else None  # after set_bits: stacks copy the bit-width
     try:
-        in_use = modules if stacking is None else [m for n, m in model.named_modules() if ".layers." in n
-                                                   and isinstance(m, (torch.nn.Linear, QuantLinear))]
+        in_use = list(decoder_linears(model).values())  # the stacked modules instead of q/k/v, gate/up when fused
         _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves)
     finally:
         if stacking is not None:
@@ -279,6 +277,7 @@ def run_format(fmt, fusion, model, modules, prompt, args, results):
 
 
 def _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves):
+    """Every generation length of one format and fusion; bytes and bits/w count the unstacked `modules`."""
     linears_read = linear_bytes(modules)
     numel = sum(m.in_features * m.out_features for m in modules)
     for i, gen in enumerate(args.gen):

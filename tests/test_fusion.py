@@ -115,8 +115,17 @@ def test_stacked_projections_compute_the_same_outputs(kind):
 def test_projections_that_differ_stay_apart():
     from quantkit.runtime.fusion import fuse_projections
 
-    model = _quantize_linears(_tiny_llama(layers=1), "anyprec")
+    model = _quantize_linears(_tiny_llama(layers=2), "anyprec")
     model.model.layers[0].self_attn.k_proj.set_bits(3)  # q, v serve 4 bits
+    # gate uniform, up BCQ (the same codes converted): both serve bits=None, but they are different formats
+    from quantkit.formats.bcq import bcq_from_uniform
+    from quantkit.runtime import QuantLinear
+
+    uniform = _quantize_linears(_tiny_llama(layers=1), "uniform").model.layers[0].mlp
+    model.model.layers[1].mlp.gate_proj = uniform.gate_proj
+    model.model.layers[1].mlp.up_proj = QuantLinear(bcq_from_uniform(uniform.up_proj.qtensor()), None)
     handle = fuse_projections(model)
-    assert handle.count == 1 and hasattr(model.model.layers[0].mlp, "fused_gate_up")
+    assert handle.count == 2
+    assert hasattr(model.model.layers[0].mlp, "fused_gate_up") and hasattr(model.model.layers[1].self_attn, "fused_q_k_v")
     assert not hasattr(model.model.layers[0].self_attn, "fused_q_k_v")
+    assert not hasattr(model.model.layers[1].mlp, "fused_gate_up")

@@ -60,8 +60,7 @@ def _fused_rms_forward(self, hidden_states):
 
 def _fused_mlp_forward(self, x):
     gate, up = self.gate_proj, self.up_proj
-    if isinstance(gate, _Slice) and isinstance(up, _Slice) and gate.stacked is up.stacked and gate.start == 0 \
-            and gate.stop == up.start and up.stop == gate.stacked.out_features == 2 * gate.stop:
+    if isinstance(gate, _Slice) and getattr(up, "stacked", None) is gate.stacked and gate.out_features == up.out_features:
         return self.down_proj(_compiled(_silu_mul_halves)(gate.stacked(x)))  # fuse_projections' [gate | up]
     return self.down_proj(_compiled(_silu_mul)(gate(x), up(x)))
 
@@ -143,27 +142,31 @@ _GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Slice(torch.nn.Module):
-    def __init__(self, stacked, start, stop, first, last, state):
+    """Rows [start, stop) of `stacked`'s output; the slices of one stack share `state` (the last input
+    and its stacked output)."""
+
+    def __init__(self, stacked, start, stop, state):
         super().__init__()
         object.__setattr__(self, "stacked", stacked)  # registered once, on the parent (not per slice)
-        self.start, self.stop, self.first, self.last, self.state = start, stop, first, last, state
+        self.start, self.stop, self.state = start, stop, state
         self.in_features, self.out_features = stacked.in_features, stop - start
 
     def forward(self, x):
-        if self.first or self.state.get("input") is not x:
+        if self.start == 0 or self.state.get("input") is not x:  # the first slice always computes
             self.state.update(input=x, output=self.stacked(x))
         out = self.state["output"][..., self.start : self.stop]
-        if self.last:
-            self.state.clear()  # nothing kept alive between steps
+        if self.stop == self.stacked.out_features:
+            self.state.clear()  # the last slice: nothing kept alive between steps
         return out
 
 
 def _stack_quantized(mods):
+    if len({m.meta["format"] for m in mods}) != 1:
+        return None
     tensors = [m.qtensor() for m in mods]
     first = tensors[0]
     if isinstance(first, AnyPrecisionTensor):
-        if any(not isinstance(t, AnyPrecisionTensor) or (t.seed_bits, t.parent_bits, t.in_features)
-               != (first.seed_bits, first.parent_bits, first.in_features) for t in tensors):
+        if any((t.seed_bits, t.parent_bits) != (first.seed_bits, first.parent_bits) for t in tensors):
             return None
         return AnyPrecisionTensor(planes=torch.cat([t.planes for t in tensors], dim=1),
                                   luts={b: torch.cat([t.luts[b] for t in tensors]) for b in first.luts},
@@ -176,8 +179,7 @@ def _stack_quantized(mods):
         first = tensors[0]
     if not all(isinstance(t, BCQQuantizedTensor) for t in tensors):
         return None
-    if any((t.bits, t.group_size, t.in_features, t.offset is None) != (first.bits, first.group_size,
-                                                                      first.in_features, first.offset is None)
+    if any((t.bits, t.group_size, t.offset is None) != (first.bits, first.group_size, first.offset is None)
            for t in tensors):
         return None
     return BCQQuantizedTensor(qweight=torch.cat([t.qweight for t in tensors], dim=2),
@@ -191,9 +193,9 @@ def _stack(mods):
     if len({m.in_features for m in mods}) != 1:
         return None
     with_bias = [m.bias is not None for m in mods]
-    bias = torch.cat([m.bias for m in mods]) if all(with_bias) else None
     if any(with_bias) and not all(with_bias):
         return None
+    bias = torch.cat([m.bias for m in mods]) if all(with_bias) else None
     if all(type(m) is torch.nn.Linear for m in mods):
         w = mods[0].weight
         stacked = torch.nn.Linear(w.shape[1], sum(m.out_features for m in mods), bias=bias is not None,
@@ -249,9 +251,9 @@ def fuse_projections(model):
             setattr(parent, attr, stacked)
             handle.added.append((parent, attr))
             state, start = {}, 0
-            for i, (name, module) in enumerate(zip(names, mods)):
+            for name, module in zip(names, mods):
                 stop = start + module.out_features
-                setattr(parent, name, _Slice(stacked, start, stop, i == 0, i == len(names) - 1, state))
+                setattr(parent, name, _Slice(stacked, start, stop, state))
                 handle.replaced.append((parent, name, module))
                 start = stop
     return handle

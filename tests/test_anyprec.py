@@ -30,19 +30,24 @@ def _stats(d, seed=1):
 def test_weighted_kmeans_matches_sklearn_inertia():
     from sklearn.cluster import KMeans
 
-    x, w = _rows()
-    start = time.perf_counter()
-    centroids, codes, inertia = weighted_kmeans_1d(x, w, 8)
-    ours_s = time.perf_counter() - start
+    # 96 rows: "faster" is about a matrix's rows, where one vectorised call replaces a loop of fits; at
+    # a couple dozen rows the two are within noise of each other on this CPU
+    x, w = _rows(rows=96)
+
+    def best_of_3(run):  # steady state: the first call of either pays one-time setup (~2x here, cold)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            out = run()
+            times.append(time.perf_counter() - start)
+        return out, min(times)
+
+    (centroids, codes, inertia), ours_s = best_of_3(lambda: weighted_kmeans_1d(x, w, 8))
     # the reported inertia is the inertia of the returned assignment
     direct = (w.double() * (x.double() - torch.gather(centroids, 1, codes)) ** 2).sum(1)
     assert torch.allclose(direct, inertia, rtol=1e-9)
-    ref, start = [], time.perf_counter()
-    for r in range(x.shape[0]):
-        km = KMeans(8, n_init="auto", random_state=r).fit(x[r].double().numpy()[:, None],
-                                                          sample_weight=w[r].double().numpy())
-        ref.append(km.inertia_)
-    sk_s = time.perf_counter() - start
+    ref, sk_s = best_of_3(lambda: [KMeans(8, n_init="auto", random_state=r).fit(
+        x[r].double().numpy()[:, None], sample_weight=w[r].double().numpy()).inertia_ for r in range(x.shape[0])])
     ratio = inertia / torch.tensor(ref, dtype=torch.float64)
     assert inertia.sum() <= 1.01 * sum(ref), ratio
     assert ratio.median() <= 1.01, ratio

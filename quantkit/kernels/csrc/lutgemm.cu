@@ -26,8 +26,9 @@
 //   NT tables in shared memory (32 KB); each of its 8 warps handles 128 rows, each lane 4
 //   consecutive rows (one 16-byte load gives the same word of 4 rows). When its range leaves a row
 //   tile, a block adds its fp32 partial sums to a workspace with atomics; the block that completes
-//   a row tile (per-tile step counter) converts it to fp16 and adds the bias. A lane's loads for
-//   the next step are issued before it computes the current one (two register sets).
+//   a row tile (per-tile step counter) converts it to fp16 and adds the bias. Loads run S - 1 steps
+//   ahead of the compute: each lane copies its words and scales into its own slots of a ring of S
+//   stages in shared memory (cp.async), so no registers hold loads in flight.
 //
 // Bank conflicts, and what we do about them (beyond the paper): with every lane of a warp reading
 // the same table at data-dependent keys, a 256-entry fp32 table spread over 32 banks gives ~3.5-way
@@ -112,6 +113,24 @@ constexpr int kTileRows = kWarps * kRowsPerWarp;  // 1024
 constexpr int kLutBytes = 256 * 128;              // 256 keys × (NT tables × E bytes = 128)
 constexpr int kMaxBatch = 8;
 
+// Ring stages of the matvec pipeline: each lane has S - 1 steps of sign words and scales in flight
+// (cp.async into shared memory) while it computes one. 3 stages (104 KB with the LUT at 1..4 columns,
+// 2 resident blocks per SM) keep ~96 KB of loads in flight per SM, several times the H100's
+// bandwidth x latency product.
+#ifndef LUT_STAGES
+#define LUT_STAGES 3
+#endif
+static_assert(LUT_STAGES >= 2 && LUT_STAGES <= 8, "LUT_STAGES must be 2..8");
+// Words of a row a lane handles per pipeline step (a ring stage holds one step).
+#ifndef LUT_STEP_WORDS
+#define LUT_STEP_WORDS 4
+#endif
+static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4, "LUT_STEP_WORDS must be 1, 2 or 4");
+// Resident blocks per SM the register allocation must allow (shared memory allows 2 at 3 stages).
+#ifndef LUT_MIN_BLOCKS
+#define LUT_MIN_BLOCKS 2
+#endif
+
 // Compile-time shape of the LUT for a padded batch BP.
 template <int BP>
 struct Cfg {
@@ -120,9 +139,13 @@ struct Cfg {
   static constexpr int kTables = 128 / kEntryBytes;            // NT: 32, 32, 16, 8 = lanes of one smem phase
   static constexpr int kWords = kTables / 4;                   // NW: words per chunk
   static constexpr int kChunkCols = 32 * kWords;               // 256, 256, 128, 64
-  static constexpr int kStepWords = kWords < 4 ? kWords : 4;   // SW: words loaded ahead per pipeline step
+  static constexpr int kStepWords = kWords < LUT_STEP_WORDS ? kWords : LUT_STEP_WORDS;  // SW: words per step
   static constexpr int kSteps = kWords / kStepWords;           // NH: steps per (chunk, plane)
   static constexpr int kPieces = kEntryBytes / 4;              // builder lanes per entry (4 bytes each)
+  static constexpr int kStages = LUT_STAGES;                   // S: ring stages, S - 1 steps in flight
+  static constexpr int kStageBytes = kStepWords * kThreads * (16 + 8);  // words + α of one step, all lanes
+  // dynamic shared memory: LUT, ring, and slack to align the LUT to 128 bytes (its bank mapping)
+  static constexpr int kSmemBytes = kLutBytes + kStages * kStageBytes + 128;
 };
 
 struct LutParams {
@@ -195,6 +218,44 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
   return v;
 #else
   return __ldcg(reinterpret_cast<const float4*>(p));
+#endif
+}
+
+// ---- the shared-memory ring: asynchronous copies (cp.async, sm_80+) ------------------------------
+// A lane copies its own words into its own ring slots and reads back only those, so no block barrier
+// guards the ring: cp.async.wait_group orders a thread's copies before its own reads.
+
+// 16 bytes (or zeros when !valid), bypassing L1: the sign words are read once.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+#ifdef LUTGEMM_HOST_EMU
+  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+
+// 8 bytes (or zeros), through L1: α and z are reused by the other words of their group.
+__device__ __forceinline__ void copy8_async(void* dst, const void* src, bool valid) {
+#ifdef LUTGEMM_HOST_EMU
+  if (valid) std::memcpy(dst, src, 8); else std::memset(dst, 0, 8);
+#else
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(valid ? 8 : 0) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void commit_async() {
+#ifndef LUTGEMM_HOST_EMU
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wait_async() {
+#ifndef LUTGEMM_HOST_EMU
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
@@ -322,15 +383,7 @@ __device__ __forceinline__ void entry_fma(float (&acc)[BP], float a, const Entry
   }
 }
 
-// ---- pipeline step registers -------------------------------------------------------------------
-
-// What one lane loads one step ahead: SW words of 4 rows and, per word, 4 halves of α (or of the
-// offset z, in the extra "offset plane" that follows the q sign planes of a unit).
-template <int SW>
-struct StepRegs {
-  uint4 w[SW];
-  uint2 a[SW];
-};
+// ---- pipeline steps through the shared-memory ring -------------------------------------------------
 
 // Position in the block's sequence of steps: unit (row tile rt, chunk c), plane i (i == q is the
 // offset plane), step h within the plane.
@@ -349,26 +402,32 @@ __device__ __forceinline__ void advance(Cursor& cur, int planes, int n_ch) {
   ++cur.rt;
 }
 
-// Load step `cur` for this lane: the words (j + φ) mod NW of the chunk, j in this step's range.
+// One ring stage as this lane sees it: SW words of its 4 rows (16 bytes each) and, per word, the 4
+// halves of α (or of the offset z, in the extra "offset plane" that follows the q sign planes).
+struct Stage {
+  uint4* w;  // [SW][kThreads]
+  uint2* a;  // [SW][kThreads]
+};
+
+// Start copying step `cur` for this lane into a stage: the words (j + φ) mod NW of the chunk, j in
+// this step's range. Words past the row's end, and rows past k, come in as zeros (α = 0: no contribution).
 template <int BP>
-__device__ __forceinline__ void load_step(const LutParams& p, const Cursor& cur, int phi, int row0,
-                                          StepRegs<Cfg<BP>::kStepWords>& r) {
+__device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur, int phi, int row0, const Stage& st,
+                                           int tid) {
   using C = Cfg<BP>;
   const bool row_ok = row0 < p.k;
 #pragma unroll
   for (int jj = 0; jj < C::kStepWords; ++jj) {
     const int j = cur.h * C::kStepWords + jj;
     const int w = cur.c * C::kWords + ((j + phi) & (C::kWords - 1));
-    r.w[jj] = make_uint4(0, 0, 0, 0);
-    r.a[jj] = make_uint2(0, 0);
-    if (row_ok && w < p.W) {  // words past the row's end contribute nothing (their α is 0)
-      const uint32_t grp = word_group(w, p.group_magic);
-      if (cur.i < p.q) {
-        r.w[jj] = load_stream(p.qw + (size_t(cur.i) * p.W + w) * p.k + row0);
-        r.a[jj] = load_half4(p.alpha + (size_t(grp) * p.q + cur.i) * p.k + row0);
-      } else {
-        r.a[jj] = load_half4(p.offset + size_t(grp) * p.k + row0);
-      }
+    const bool ok = row_ok && w < p.W;
+    const size_t grp = ok ? word_group(w, p.group_magic) : 0;
+    const int r = ok ? row0 : 0;
+    if (cur.i < p.q) {
+      copy16_async(st.w + jj * kThreads + tid, p.qw + (ok ? (size_t(cur.i) * p.W + w) * p.k + r : 0), ok);
+      copy8_async(st.a + jj * kThreads + tid, p.alpha + (grp * p.q + cur.i) * p.k + r, ok);
+    } else {  // the offset plane reads no sign words
+      copy8_async(st.a + jj * kThreads + tid, p.offset + grp * p.k + r, ok);
     }
   }
 }
@@ -439,27 +498,23 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 
 // ---- the matvec kernel ---------------------------------------------------------------------------
 
-// grid: min(steps, SMs × resident blocks); block: kThreads. p.ws and p.counters must be zero; the kernel
-// leaves them zero (the block completing a tile clears the tile's sums and counter), so a workspace
-// kept between launches needs no memset: one graph node less per matvec.
+// grid: min(steps, SMs × resident blocks); block: kThreads; dynamic shared memory Cfg<BP>::kSmemBytes.
+// p.ws and p.counters must be zero; the kernel leaves them zero (the block completing a tile clears
+// the tile's sums and counter), so a workspace kept between launches needs no memset: one graph node
+// less per matvec.
 // Block b runs steps [b·S/B, (b+1)·S/B) of the sequence (row tile, chunk, plane, step): stream-K at
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
-// Resident blocks per SM the register allocation must allow. Measured on the H100 (2026-11-24,
-// 49152x12288 q3 g128): one column of x runs best with 4 (139 vs 163 us with 2), where the extra
-// blocks keep more loads in flight; 2..8 columns need their registers and lose badly with 4.
-#ifndef LUT_MIN_BLOCKS_B1
-#define LUT_MIN_BLOCKS_B1 4
-#endif
-#ifndef LUT_MIN_BLOCKS
-#define LUT_MIN_BLOCKS 2
-#endif
-
 template <int BP>
-__global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
+__global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
   using C = Cfg<BP>;
   constexpr int NT = C::kTables, NW = C::kWords, SW = C::kStepWords, NH = C::kSteps, EB = C::kEntryBytes;
-  __shared__ __align__(16) unsigned char lut[kLutBytes];
+  constexpr int S = C::kStages;
+#ifdef LUTGEMM_HOST_EMU
+  alignas(128) static unsigned char smem[C::kSmemBytes];
+#else
+  extern __shared__ __align__(16) unsigned char smem[];
+#endif
   __shared__ float tsum[NT * BP];
   __shared__ int s_last;
 
@@ -467,7 +522,14 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
 
+  // [LUT, 128-byte aligned][ring: S stages of SW × kThreads words, then S stages of their α]
+  unsigned char* lut = smem + ((128 - reinterpret_cast<uintptr_t>(smem) % 128) % 128);
+  uint4* ring_w = reinterpret_cast<uint4*>(lut + kLutBytes);
+  uint2* ring_a = reinterpret_cast<uint2*>(ring_w + S * SW * kThreads);
+  auto stage = [&](int s) { return Stage{ring_w + s * SW * kThreads, ring_a + s * SW * kThreads}; };
+
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row_in_tile = warp * kRowsPerWarp + lane * kRowsPerLane;
   const int phi = (lane & (NT - 1)) >> 2;  // word rotation
   uint32_t shift[4], byte_off[4];          // byte rotation: (m + ψ) mod 4
 #pragma unroll
@@ -477,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
     byte_off[m] = byte * EB;
   }
   const int planes = p.planes;
-  long long remaining = s1 - s0;
+  long long remaining = s1 - s0, to_issue = s1 - s0;
   const long long unit = s0 / (planes * NH);
   const int in_unit = int(s0 % (planes * NH));
   Cursor ld{int(unit / p.n_ch), int(unit % p.n_ch), in_unit / NH, in_unit % NH};
@@ -490,52 +552,72 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
 #pragma unroll
     for (int b = 0; b < BP; ++b) acc[r][b] = 0.f;
   uint32_t xh[8];
-  StepRegs<SW> ra, rb;
 
-  load_x<BP>(p, ld.c, lane, xh);
-  load_step<BP>(p, ld, phi, ld.rt * kTileRows + warp * kRowsPerWarp + lane * kRowsPerLane, ra);
-  advance<BP>(ld, planes, p.n_ch);
+  // prologue: S - 1 steps in flight (one commit group per step, empty past the block's last step)
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (to_issue > 0) {
+      issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(s), tid);
+      advance<BP>(ld, planes, p.n_ch);
+      --to_issue;
+    }
+    commit_async();
+  }
+  load_x<BP>(p, cur.c, lane, xh);
 
-  // One pipeline step: (re)build tables at a unit's start, prefetch the next step, compute this one,
-  // flush at the end of a row tile's run.
-  auto step = [&](StepRegs<SW>& use, StepRegs<SW>& fill) {
-    if ((cur.i == 0 && cur.h == 0) || first) {
+  for (int slot = 0; remaining > 0; slot = slot + 1 == S ? 0 : slot + 1) {
+    wait_async<S - 2>();  // this step's group has landed
+    uint4 w[SW];
+    uint2 a[SW];
+    const Stage st = stage(slot);
+#pragma unroll
+    for (int jj = 0; jj < SW; ++jj) {
+      if (cur.i < p.q) w[jj] = st.w[jj * kThreads + tid];
+      a[jj] = st.a[jj * kThreads + tid];
+    }
+    // refill the stage the previous step read (its values are consumed) with step + S - 1
+    if (to_issue > 0) {
+      issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(slot == 0 ? S - 1 : slot - 1), tid);
+      advance<BP>(ld, planes, p.n_ch);
+      --to_issue;
+    }
+    commit_async();
+
+    if ((cur.i == 0 && cur.h == 0) || first) {  // a unit's first step: build its chunk's tables
       __syncthreads();  // everyone is done with the previous chunk's tables
       build_tables<BP>(lut, tsum, xh, lane, warp);
       __syncthreads();
       first = false;
     }
-    if (remaining > 1) {
-      if (ld.i == 0 && ld.h == 0) load_x<BP>(p, ld.c, lane, xh);  // after this unit's build consumed xh
-      load_step<BP>(p, ld, phi, ld.rt * kTileRows + warp * kRowsPerWarp + lane * kRowsPerLane, fill);
-      advance<BP>(ld, planes, p.n_ch);
-    }
+    const bool unit_end = cur.i == planes - 1 && cur.h == NH - 1;
+    if (unit_end && remaining > 1) load_x<BP>(p, cur.c + 1 == p.n_ch ? 0 : cur.c + 1, lane, xh);  // next unit's x
+
     if (cur.i < p.q) {
 #pragma unroll
       for (int jj = 0; jj < SW; ++jj) {
         const int j = cur.h * SW + jj;
         const uint32_t word_off = uint32_t((j + phi) & (NW - 1)) * (4 * EB);
-        const uint32_t rows[4] = {use.w[jj].x, use.w[jj].y, use.w[jj].z, use.w[jj].w};
-        const float2 a01 = half2_bits_to_float2(use.a[jj].x), a23 = half2_bits_to_float2(use.a[jj].y);
+        const uint32_t rows[4] = {w[jj].x, w[jj].y, w[jj].z, w[jj].w};
+        const float2 a01 = half2_bits_to_float2(a[jj].x), a23 = half2_bits_to_float2(a[jj].y);
         const float al[4] = {a01.x, a01.y, a23.x, a23.y};
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; ++r) {
-          Entry<BP> s;
+          Entry<BP> sum;
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
             // key·128 has bits 7..14 only, table offset t·E < 128: OR is the sum
             const uint32_t addr = (__funnelshift_r(rows[r], rows[r], shift[m]) & 0x7F80u) | (word_off + byte_off[m]);
             const Entry<BP> e = load_entry<BP>(lut + addr);
-            if (m == 0) s = e; else entry_add<BP>(s, e);
+            if (m == 0) sum = e; else entry_add<BP>(sum, e);
           }
-          entry_fma<BP>(acc[r], al[r], s);
+          entry_fma<BP>(acc[r], al[r], sum);
         }
       }
     } else {  // offset plane: y += z · Σ_{columns of the word} x
 #pragma unroll
       for (int jj = 0; jj < SW; ++jj) {
         const int wl = ((cur.h * SW + jj) + phi) & (NW - 1);
-        const float2 z01 = half2_bits_to_float2(use.a[jj].x), z23 = half2_bits_to_float2(use.a[jj].y);
+        const float2 z01 = half2_bits_to_float2(a[jj].x), z23 = half2_bits_to_float2(a[jj].y);
         const float z[4] = {z01.x, z01.y, z23.x, z23.y};
 #pragma unroll
         for (int b = 0; b < BP; ++b) {
@@ -548,8 +630,8 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
     }
     ++seg_steps;
     // end of this block's run on row tile cur.rt: add its partial sums, and finish the tile if it is complete
-    if ((cur.c == p.n_ch - 1 && cur.i == planes - 1 && cur.h == NH - 1) || remaining == 1) {
-      const int row0 = cur.rt * kTileRows + warp * kRowsPerWarp + lane * kRowsPerLane;
+    if ((cur.c == p.n_ch - 1 && unit_end) || remaining == 1) {
+      const int row0 = cur.rt * kTileRows + row_in_tile;
       if (row0 < p.k) {
 #pragma unroll
         for (int b = 0; b < BP; ++b)
@@ -587,15 +669,8 @@ __global__ void __launch_bounds__(kThreads, BP == 1 ? LUT_MIN_BLOCKS_B1 : LUT_MI
     }
     advance<BP>(cur, planes, p.n_ch);
     --remaining;
-  };
-
-  // unrolled by two so the step registers alternate without copies
-  while (true) {
-    step(ra, rb);
-    if (remaining == 0) break;
-    step(rb, ra);
-    if (remaining == 0) break;
   }
+  wait_async<0>();  // no copy may outlive the block (only empty groups remain here)
 }
 
 
@@ -662,11 +737,6 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t word, int p) {
   return ((~word << (15 - p)) & 0x80008000u) | 0x3C003C00u;
 }
 
-struct MmaRegs {
-  uint4 w;  // word t of the chunk for rows 4g..4g+3 (sign planes)
-  uint2 a;  // α (or z, in the offset plane) of those 4 rows
-};
-
 struct MmaCursor {
   int rt, c, i;
 };
@@ -679,19 +749,21 @@ __device__ __forceinline__ void mma_advance(MmaCursor& cur, int planes, int n_ch
   ++cur.rt;
 }
 
-__device__ __forceinline__ void mma_load_step(const LutParams& p, const MmaCursor& cur, int lane, int warp, MmaRegs& r) {
+// Start copying step `cur` for this lane into ring slot (w, a): word t of the chunk for rows
+// 4g..4g+3 (sign planes; 16 bytes) and the α (or z, in the offset plane) of those 4 rows.
+__device__ __forceinline__ void mma_issue_step(const LutParams& p, const MmaCursor& cur, int lane, int warp, uint4* w,
+                                               uint2* a) {
   const int row0 = cur.rt * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * (lane >> 2);
-  const int w = cur.c * kMmaChunkWords + (lane & 3);
-  r.w = make_uint4(0, 0, 0, 0);
-  r.a = make_uint2(0, 0);
-  if (row0 < p.k) {
-    const uint32_t grp = word_group(cur.c * kMmaChunkWords, p.group_magic);  // one group per chunk
-    if (cur.i < p.q) {
-      if (w < p.W) r.w = load_stream(p.qw + (size_t(cur.i) * p.W + w) * p.k + row0);
-      r.a = load_half4(p.alpha + (size_t(grp) * p.q + cur.i) * p.k + row0);
-    } else {
-      r.a = load_half4(p.offset + size_t(grp) * p.k + row0);
-    }
+  const int wd = cur.c * kMmaChunkWords + (lane & 3);
+  const bool row_ok = row0 < p.k;
+  const size_t grp = word_group(cur.c * kMmaChunkWords, p.group_magic);  // one group per chunk
+  const int r = row_ok ? row0 : 0;
+  if (cur.i < p.q) {
+    const bool ok = row_ok && wd < p.W;
+    copy16_async(w, p.qw + (ok ? (size_t(cur.i) * p.W + wd) * p.k + r : 0), ok);
+    copy8_async(a, p.alpha + (row_ok ? (grp * p.q + cur.i) * p.k + r : 0), row_ok);
+  } else {
+    copy8_async(a, p.offset + (row_ok ? grp * p.k + r : 0), row_ok);
   }
 }
 
@@ -733,15 +805,25 @@ __device__ __forceinline__ void mma_pack_x(const uint32_t (&u)[16], uint32_t (&b
   }
 }
 
+// Ring stages of the tensor-core kernel: a step is one 16-byte word per lane and compute per step
+// is short, so it needs more steps in flight than the LUT kernel (6 stages = 36 KB).
+#ifndef MMA_STAGES
+#define MMA_STAGES 6
+#endif
+static_assert(MMA_STAGES >= 2 && MMA_STAGES <= 8, "MMA_STAGES must be 2..8");
+
 // grid: min(steps, SMs × resident blocks); block: kThreads; p from make_mma_params (ws, counters zero).
 __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p) {
+  constexpr int S = MMA_STAGES;
+  __shared__ __align__(16) uint4 ring_w[S * kThreads];
+  __shared__ __align__(16) uint2 ring_a[S * kThreads];
   __shared__ int s_last;
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int planes = p.planes;
-  long long remaining = s1 - s0;
+  long long remaining = s1 - s0, to_issue = s1 - s0;
   const long long unit = s0 / planes;
   MmaCursor ld{int(unit / p.n_ch), int(unit % p.n_ch), int(s0 % planes)};
   MmaCursor cur = ld;
@@ -751,31 +833,39 @@ __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p)
 #pragma unroll
   for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = 0.f;
   uint32_t xnext[16], bx[16];
-  mma_load_x(p, ld.c, lane, xnext);
-  // weights run two steps ahead (three register sets), x one step ahead
-  MmaRegs ra, rb, rc;
-  mma_load_step(p, ld, lane, warp, ra);
-  mma_advance(ld, planes, p.n_ch);
-  if (remaining > 1) {
-    mma_load_step(p, ld, lane, warp, rb);
-    mma_advance(ld, planes, p.n_ch);
-  }
+  mma_load_x(p, cur.c, lane, xnext);
   MmaCursor xcur = cur;  // the unit whose x is in xnext
   mma_advance(xcur, planes, p.n_ch);
+  // weights run S - 1 steps ahead through the ring, x one step ahead in registers
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (to_issue > 0) {
+      mma_issue_step(p, ld, lane, warp, ring_w + s * kThreads + tid, ring_a + s * kThreads + tid);
+      mma_advance(ld, planes, p.n_ch);
+      --to_issue;
+    }
+    commit_async();
+  }
 
-  auto step = [&](MmaRegs& use, MmaRegs& fill) {
+  for (int slot = 0; remaining > 0; slot = slot + 1 == S ? 0 : slot + 1) {
+    wait_async<S - 2>();  // this step's group has landed
+    const uint4 wv = ring_w[slot * kThreads + tid];
+    const uint2 av = ring_a[slot * kThreads + tid];
+    if (to_issue > 0) {  // refill the slot the previous step read
+      const int fill = slot == 0 ? S - 1 : slot - 1;
+      mma_issue_step(p, ld, lane, warp, ring_w + fill * kThreads + tid, ring_a + fill * kThreads + tid);
+      mma_advance(ld, planes, p.n_ch);
+      --to_issue;
+    }
+    commit_async();
     if (cur.i == 0 || first) {
       mma_pack_x(xnext, bx);
       first = false;
     }
     if (remaining > 1 && xcur.i == 0) mma_load_x(p, xcur.c, lane, xnext);  // the next step opens a unit
     mma_advance(xcur, planes, p.n_ch);
-    if (remaining > 2) {
-      mma_load_step(p, ld, lane, warp, fill);
-      mma_advance(ld, planes, p.n_ch);
-    }
-    const uint32_t words[4] = {use.w.x, use.w.y, use.w.z, use.w.w};
-    const float2 a01 = half2_bits_to_float2(use.a.x), a23 = half2_bits_to_float2(use.a.y);
+    const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+    const float2 a01 = half2_bits_to_float2(av.x), a23 = half2_bits_to_float2(av.y);
     const float scale[4] = {a01.x, a01.y, a23.x, a23.y};
     if (cur.i < p.q) {
 #pragma unroll
@@ -844,16 +934,8 @@ __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p)
     }
     mma_advance(cur, planes, p.n_ch);
     --remaining;
-  };
-
-  while (true) {  // unrolled by three: the register sets rotate without copies
-    step(ra, rc);
-    if (remaining == 0) break;
-    step(rb, ra);
-    if (remaining == 0) break;
-    step(rc, rb);
-    if (remaining == 0) break;
   }
+  wait_async<0>();  // no copy may outlive the block (only empty groups remain here)
 }
 
 // ---- the dequantize kernel -----------------------------------------------------------------------
@@ -1003,6 +1085,25 @@ inline int lut_grid(const LutParams& p, int max_blocks) {
 #include <optional>
 
 namespace {
+// The LUT kernel for BP padded columns, its dynamic shared memory allowed once per process.
+template <int BP>
+auto lut_kernel() {
+  static const bool ready = [] {
+    cudaFuncSetAttribute(lutgemm::lut_gemm_kernel<BP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         lutgemm::Cfg<BP>::kSmemBytes);
+    return true;
+  }();
+  (void)ready;
+  return lutgemm::lut_gemm_kernel<BP>;
+}
+
+template <int BP>
+int lut_resident_blocks() {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_kernel<BP>(), lutgemm::kThreads, lutgemm::Cfg<BP>::kSmemBytes);
+  return n;
+}
+
 // Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel), asked once per process
 // (one GPU model assumed).
 int resident_blocks(int bp) {
@@ -1011,10 +1112,10 @@ int resident_blocks(int bp) {
   if (cached[idx] == 0) {
     int n = 0;
     if (bp == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::bcq_mma_kernel, lutgemm::kThreads, 0);
-    else if (bp == 1) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::lut_gemm_kernel<1>, lutgemm::kThreads, 0);
-    else if (bp == 2) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::lut_gemm_kernel<2>, lutgemm::kThreads, 0);
-    else if (bp == 4) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::lut_gemm_kernel<4>, lutgemm::kThreads, 0);
-    else cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::lut_gemm_kernel<8>, lutgemm::kThreads, 0);
+    else if (bp == 1) n = lut_resident_blocks<1>();
+    else if (bp == 2) n = lut_resident_blocks<2>();
+    else if (bp == 4) n = lut_resident_blocks<4>();
+    else n = lut_resident_blocks<8>();
     cached[idx] = n > 0 ? n : 1;
   }
   return cached[idx];
@@ -1060,10 +1161,10 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
       continue;
     }
     const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
-    if (bp == 1) lut_gemm_kernel<1><<<grid, kThreads, 0, stream>>>(p);
-    else if (bp == 2) lut_gemm_kernel<2><<<grid, kThreads, 0, stream>>>(p);
-    else if (bp == 4) lut_gemm_kernel<4><<<grid, kThreads, 0, stream>>>(p);
-    else lut_gemm_kernel<8><<<grid, kThreads, 0, stream>>>(p);
+    if (bp == 1) lut_kernel<1>()<<<grid, kThreads, Cfg<1>::kSmemBytes, stream>>>(p);
+    else if (bp == 2) lut_kernel<2>()<<<grid, kThreads, Cfg<2>::kSmemBytes, stream>>>(p);
+    else if (bp == 4) lut_kernel<4>()<<<grid, kThreads, Cfg<4>::kSmemBytes, stream>>>(p);
+    else lut_kernel<8>()<<<grid, kThreads, Cfg<8>::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -160,6 +160,7 @@ struct LutParams {
   int nb, d, k, q, W;
   int x_vec;             // x rows start 16-byte aligned (d % 8 == 0 and an aligned base): vector loads
   uint32_t group_magic;  // group of word w = umulhi(2w+1, magic), see group_magic() below; 0 if one group
+  uint32_t pow2[32];     // pow2[i] = 2^i: shifts done as multiplies by a value the compiler cannot see (below)
   int n_rt, n_ch;        // row tiles, chunks
   int planes;            // q, plus one "offset plane" when there is an offset
   long long steps;       // n_rt · n_ch · planes · NH: the pipeline steps of the whole matrix
@@ -412,22 +413,28 @@ struct Stage {
 // Start copying step `cur` for this lane into a stage: the words (j + φ) mod NW of the chunk, j in
 // this step's range. Words past the row's end, and rows past k, come in as zeros (α = 0: no contribution).
 template <int BP>
-__device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur, int phi, int row0, const Stage& st,
-                                           int tid) {
+__device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur, uint32_t phi, uint32_t row0,
+                                           const Stage& st, int tid) {
   using C = Cfg<BP>;
-  const bool row_ok = row0 < p.k;
+  // 32-bit element offsets (the host checks q·W·k and G·q·k < 2^31): fewer address instructions per copy
+  const uint32_t k = uint32_t(p.k), W = uint32_t(p.W);
+  const bool row_ok = row0 < k;
+  const uint32_t w0 = uint32_t(cur.c) * C::kWords, j0 = uint32_t(cur.h) * C::kStepWords + phi;
+  if (cur.i < p.q) {
+    const uint32_t plane = uint32_t(cur.i) * W * k + row0, scale = uint32_t(cur.i) * k + row0, group_stride = uint32_t(p.q) * k;
 #pragma unroll
-  for (int jj = 0; jj < C::kStepWords; ++jj) {
-    const int j = cur.h * C::kStepWords + jj;
-    const int w = cur.c * C::kWords + ((j + phi) & (C::kWords - 1));
-    const bool ok = row_ok && w < p.W;
-    const size_t grp = ok ? word_group(w, p.group_magic) : 0;
-    const int r = ok ? row0 : 0;
-    if (cur.i < p.q) {
-      copy16_async(st.w + jj * kThreads + tid, p.qw + (ok ? (size_t(cur.i) * p.W + w) * p.k + r : 0), ok);
-      copy8_async(st.a + jj * kThreads + tid, p.alpha + (grp * p.q + cur.i) * p.k + r, ok);
-    } else {  // the offset plane reads no sign words
-      copy8_async(st.a + jj * kThreads + tid, p.offset + grp * p.k + r, ok);
+    for (int jj = 0; jj < C::kStepWords; ++jj) {
+      const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
+      const bool ok = row_ok && w < W;
+      copy16_async(st.w + jj * kThreads + tid, p.qw + (ok ? plane + w * k : 0u), ok);
+      copy8_async(st.a + jj * kThreads + tid, p.alpha + (ok ? scale + word_group(w, p.group_magic) * group_stride : 0u), ok);
+    }
+  } else {  // the offset plane reads no sign words
+#pragma unroll
+    for (int jj = 0; jj < C::kStepWords; ++jj) {
+      const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
+      const bool ok = row_ok && w < W;
+      copy8_async(st.a + jj * kThreads + tid, p.offset + (ok ? row0 + word_group(w, p.group_magic) * k : 0u), ok);
     }
   }
 }
@@ -531,13 +538,11 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row_in_tile = warp * kRowsPerWarp + lane * kRowsPerLane;
   const int phi = (lane & (NT - 1)) >> 2;  // word rotation
-  uint32_t shift[4], byte_off[4];          // byte rotation: (m + ψ) mod 4
+  // byte rotation: a lane reads byte (m + ψ) mod 4 of a word as its m-th key, from table 4·word + that byte
+  const uint32_t rot8 = 8 * (lane & 3);
+  uint32_t byte_off[4];
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const uint32_t byte = (m + lane) & 3;
-    shift[m] = (8 * byte + 25) & 31;  // rotate right so bits 8·byte..+7 land at 7..14: key·128
-    byte_off[m] = byte * EB;
-  }
+  for (int m = 0; m < 4; ++m) byte_off[m] = ((m + lane) & 3) * EB;
   const int planes = p.planes;
   long long remaining = s1 - s0, to_issue = s1 - s0;
   const long long unit = s0 / (planes * NH);
@@ -603,10 +608,13 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; ++r) {
           Entry<BP> sum;
+          const uint32_t rot = __funnelshift_r(rows[r], rows[r], rot8);  // byte m of rot = byte (m + ψ) mod 4 of the row
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
             // key·128 has bits 7..14 only, table offset t·E < 128: OR is the sum
-            const uint32_t addr = (__funnelshift_r(rows[r], rows[r], shift[m]) & 0x7F80u) | (word_off + byte_off[m]);
+            // byte m to bits 7..14 by a multiply (m = 0) or multiply-high by a power of two: FMA pipe
+            const uint32_t k128 = m == 0 ? rot * p.pow2[7] : __umulhi(rot, p.pow2[39 - 8 * m]);
+            const uint32_t addr = (k128 & 0x7F80u) | (word_off + byte_off[m]);
             const Entry<BP> e = load_entry<BP>(lut + addr);
             if (m == 0) sum = e; else entry_add<BP>(sum, e);
           }
@@ -733,8 +741,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 }
 
 // ±1 fp16 pair from bits p and p+16 of a sign word (bit 1 = +1): the bits go to the two sign bits.
-__device__ __forceinline__ uint32_t decode_pair(uint32_t word, int p) {
-  return ((~word << (15 - p)) & 0x80008000u) | 0x3C003C00u;
+__device__ __forceinline__ uint32_t decode_pair(uint32_t word, int p, const LutParams& prm) {
+  return (~(word * prm.pow2[15 - p]) & 0x80008000u) | 0x3C003C00u;  // the shift as IMAD: FMA pipe
 }
 
 struct MmaCursor {
@@ -873,8 +881,8 @@ __global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p)
         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-          const uint32_t a[4] = {decode_pair(words[2 * tile], kk), decode_pair(words[2 * tile + 1], kk),
-                                 decode_pair(words[2 * tile], kk + 8), decode_pair(words[2 * tile + 1], kk + 8)};
+          const uint32_t a[4] = {decode_pair(words[2 * tile], kk, p), decode_pair(words[2 * tile + 1], kk, p),
+                                 decode_pair(words[2 * tile], kk + 8, p), decode_pair(words[2 * tile + 1], kk + 8, p)};
           mma_16816(part, a, bx[kk], bx[8 + kk]);
         }
         acc[2 * tile][0] = fmaf(scale[2 * tile], part[0], acc[2 * tile][0]);
@@ -1047,6 +1055,7 @@ inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t*
   p.nb = nb, p.d = d, p.k = k, p.q = q, p.W = W;
   p.x_vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   p.group_magic = group_magic(g, G);
+  for (int i = 0; i < 32; ++i) p.pow2[i] = 1u << i;
   p.n_rt = row_tiles(k);
   const int cw = chunk_cols(padded_batch(nb)) / 32;
   p.n_ch = (W + cw - 1) / cw;
@@ -1249,6 +1258,9 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
   QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
   QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
+  QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),
+           "the LUT kernel addresses a weight with 32-bit offsets: q x words x out_features = ", q * W * k,
+           " must stay below 2^31 (use dequantize)");
   QK_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
               group_size, " with in_features = ", d, " (use dequantize)");
   QK_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&

@@ -178,19 +178,6 @@ __device__ __forceinline__ uint32_t word_group(int w, uint32_t magic) { return _
 
 // ---- loads -------------------------------------------------------------------------------------
 
-// Sign words are read exactly once: keep them out of L1.
-__device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
-#ifdef LUTGEMM_HOST_EMU
-  return *reinterpret_cast<const uint4*>(p);
-#else
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-#endif
-}
-
 // α / z of 4 rows: reused by the other words of the group, so cached.
 __device__ __forceinline__ uint2 load_half4(const __half* p) {
 #ifdef LUTGEMM_HOST_EMU

@@ -105,6 +105,13 @@ def test_registered_with_dispatch():
     assert dispatch._FORWARDS["uniform"] is lutgemm.forward_uniform
 
 
+def test_switch_rule_32bit_offset_bound():
+    # 8 planes x 8192 words x k rows must stay below 2^31 for the kernel's 32-bit offsets
+    d = 32 * 8192
+    assert lutgemm.use_matvec(1, 2**15 - 4, d, 128)
+    assert not lutgemm.use_matvec(1, 2**15, d, 128)
+
+
 @pytest.mark.parametrize("tokens,k,d,g,path", [
     (1, 64, 160, 32, "lut_gemm"),
     (lutgemm.MATVEC_MAX_TOKENS, 64, 160, 160, "lut_gemm"),

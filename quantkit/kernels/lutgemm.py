@@ -74,9 +74,9 @@ def kernels():
 def matvec_supported(out_features, in_features, group_size):
     """Whether the LUT kernel can serve this weight (see the module docstring)."""
     whole_words = group_size % 32 == 0 or num_groups(in_features, group_size) == 1
-    # the kernel's 32-bit element offsets, for up to 8 planes
-    words, groups = (in_features + 31) // 32, num_groups(in_features, group_size)
-    small = 8 * max(words, groups) * out_features < 2**31
+    # the kernel addresses planes and scales with 32-bit element offsets: q·words·k < 2^31 for q <= 8
+    # (groups <= words whenever whole_words holds)
+    small = 8 * ((in_features + 31) // 32) * out_features < 2**31
     return out_features % 4 == 0 and whole_words and small
 
 

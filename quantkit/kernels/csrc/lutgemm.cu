@@ -213,23 +213,19 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
 // A lane copies its own words into its own ring slots and reads back only those, so no block barrier
 // guards the ring: cp.async.wait_group orders a thread's copies before its own reads.
 
-// 16 bytes (or zeros when !valid), bypassing L1: the sign words are read once.
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+// N = 16 or 8 bytes (zeros when !valid). The 16-byte sign words are read once: L2 only (.cg); the
+// 8-byte α and z are reused by the other words of their group: through L1 (.ca).
+template <int N>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  static_assert(N == 16 || N == 8, "copy_async moves 16 or 8 bytes");
 #ifdef LUTGEMM_HOST_EMU
-  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+  if (valid) std::memcpy(dst, src, N); else std::memset(dst, 0, N);
 #else
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#endif
-}
-
-// 8 bytes (or zeros), through L1: α and z are reused by the other words of their group.
-__device__ __forceinline__ void copy8_async(void* dst, const void* src, bool valid) {
-#ifdef LUTGEMM_HOST_EMU
-  if (valid) std::memcpy(dst, src, 8); else std::memset(dst, 0, 8);
-#else
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(valid ? 8 : 0) : "memory");
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(valid ? 8 : 0) : "memory");
 #endif
 }
 
@@ -413,15 +409,15 @@ __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur
     for (int jj = 0; jj < C::kStepWords; ++jj) {
       const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
       const bool ok = row_ok && w < W;
-      copy16_async(st.w + jj * kThreads + tid, p.qw + (ok ? plane + w * k : 0u), ok);
-      copy8_async(st.a + jj * kThreads + tid, p.alpha + (ok ? scale + word_group(w, p.group_magic) * group_stride : 0u), ok);
+      copy_async<16>(st.w + jj * kThreads + tid, p.qw + (ok ? plane + w * k : 0u), ok);
+      copy_async<8>(st.a + jj * kThreads + tid, p.alpha + (ok ? scale + word_group(w, p.group_magic) * group_stride : 0u), ok);
     }
   } else {  // the offset plane reads no sign words
 #pragma unroll
     for (int jj = 0; jj < C::kStepWords; ++jj) {
       const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
       const bool ok = row_ok && w < W;
-      copy8_async(st.a + jj * kThreads + tid, p.offset + (ok ? row0 + word_group(w, p.group_magic) * k : 0u), ok);
+      copy_async<8>(st.a + jj * kThreads + tid, p.offset + (ok ? row0 + word_group(w, p.group_magic) * k : 0u), ok);
     }
   }
 }
@@ -755,10 +751,10 @@ __device__ __forceinline__ void mma_issue_step(const LutParams& p, const MmaCurs
   const int r = row_ok ? row0 : 0;
   if (cur.i < p.q) {
     const bool ok = row_ok && wd < p.W;
-    copy16_async(w, p.qw + (ok ? (size_t(cur.i) * p.W + wd) * p.k + r : 0), ok);
-    copy8_async(a, p.alpha + (row_ok ? (grp * p.q + cur.i) * p.k + r : 0), row_ok);
+    copy_async<16>(w, p.qw + (ok ? (size_t(cur.i) * p.W + wd) * p.k + r : 0), ok);
+    copy_async<8>(a, p.alpha + (row_ok ? (grp * p.q + cur.i) * p.k + r : 0), row_ok);
   } else {
-    copy8_async(a, p.offset + (row_ok ? grp * p.k + r : 0), row_ok);
+    copy_async<8>(a, p.offset + (row_ok ? grp * p.k + r : 0), row_ok);
   }
 }
 

@@ -108,6 +108,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="two shapes, widths 3/4/8, batch 1/8, short ablation")
     ap.add_argument("--json", help="write every measurement to this file")
     ap.add_argument("--no-switch", action="store_true", help="skip the dequantize switch-point sweep")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the ablation and tiles tables")
+    ap.add_argument("--shapes", help="comma-separated MxN (out x in) instead of the default shapes, e.g. 11008x4096")
+    ap.add_argument("--bits", help="comma-separated widths instead of the default (3..8, --quick 3,4,8)")
+    ap.add_argument("--batches", help="comma-separated batches instead of the default (1,2,4,8, --quick 1,8)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -126,6 +130,12 @@ def main():
     shapes = [(11008, 4096), (28672, 8192)] if args.quick else SHAPES
     widths = [3, 4, 8] if args.quick else [3, 4, 5, 6, 7, 8]
     batches = [1, 8] if args.quick else [1, 2, 4, 8]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.bits:
+        widths = [int(v) for v in args.bits.split(",")]
+    if args.batches:
+        batches = [int(v) for v in args.batches.split(",")]
     results = {"info": info, "main": [], "ablation": [], "tiles": [], "layout_prep": [], "switch": []}
 
     for rows, cols in shapes:
@@ -154,7 +164,7 @@ def main():
                                         "tiles": ag.choose_tiles(bits, rows, batch, x.device, ext)})
         # ablations: each optimisation off alone, and all off (batch 1 and 8)
         abl_shapes = [(11008, 4096), (28672, 8192)]
-        if (rows, cols) in abl_shapes:
+        if (rows, cols) in abl_shapes and not args.no_ablation:
             for batch in (1, 8):
                 x = torch.randn(batch, 32 * parent.words, device="cuda").half()
                 out = torch.empty(batch, rows, dtype=torch.float16, device="cuda")

@@ -133,23 +133,24 @@ static Problem make(int M, int N, int B, bool half, unsigned seed) {
 }
 
 template <int K, typename T, int TILES, int FLAGS>
-static double run(const Problem& P) {
+static double run(const Problem& Pb) {
   using C = Config<K, TILES, FLAGS>;
-  constexpr int V = C::V;
+  constexpr int P = C::PIECES;
   const bool half = std::is_same<T, __half>::value, layout = FLAGS & FLAG_LAYOUT;
-  const uint32_t* planes = layout ? P.ker.data() : P.nat.data();
-  const int wstride = layout ? P.Wp : P.W, ldx = P.Wp * 32, M = P.M, W = P.W;
-  const uint16_t* lut = P.lut[K].data();
-  const T* x = reinterpret_cast<const T*>(P.x.data());
+  const uint32_t* planes = layout ? Pb.ker.data() : Pb.nat.data();
+  const int wstride = layout ? Pb.Wp : Pb.W, ldx = Pb.Wp * 32, M = Pb.M, W = Pb.W;
+  const uint16_t* lut = Pb.lut[K].data();
+  const T* x = reinterpret_cast<const T*>(Pb.x.data());
   static std::vector<unsigned char> window(1 << 22);
   host_shared_window = window.data();
   const uint32_t red_addr = 0x400 + 16 * (M % 5);
-  const uint32_t table_addr = (red_addr + C::RED_BYTES + C::TABLE_ALIGN - 1) & ~uint32_t(C::TABLE_ALIGN - 1);
+  const uint32_t table_addr =
+      (red_addr + C::RED_BYTES + C::RING_BYTES + C::TABLE_ALIGN - 1) & ~uint32_t(C::TABLE_ALIGN - 1);
   if (table_addr + C::TABLE_BYTES > red_addr + C::SMEM_BYTES) return 1e30;
   Pow2 p2;
   for (int i = 0; i < 32; ++i) p2.v[i] = 1u << i;
-  std::vector<double> out(size_t(P.B) * M, NAN);
-  const int nchunks = (W + C::CHUNK_WORDS - 1) / C::CHUNK_WORDS;
+  std::vector<double> out(size_t(Pb.B) * M, NAN);
+  const int nchunks = (W + C::STEP_WORDS - 1) / C::STEP_WORDS;
   for (int row0 = 0; row0 < M; row0 += 16 * TILES) {
     if (!C::PRMT_LUT)
       for (int i = 0; i < TILES * 2 * (1 << K) * 8; ++i) {
@@ -164,22 +165,27 @@ static double run(const Problem& P) {
         struct Rec { int tile; uint32_t a[4], b01, b23; };
         std::vector<Rec> recs[32];
         for (int lane = 0; lane < 32; ++lane) {
-          const int g = lane >> 2, t = lane & 3, w0 = chunk * C::CHUNK_WORDS + t * V;
+          const int g = lane >> 2, t = lane & 3, w0 = chunk * C::STEP_WORDS + t;
           PrmtTable pt[TILES][2] = {};
           SmemTable st[TILES][2];
-          Vec<V> cur[TILES][2][K] = {};
           for (int tile = 0; tile < TILES; ++tile)
             for (int rs = 0; rs < 2; ++rs) {
-              const int row = row0 + 16 * tile + 8 * rs + g;
-              st[tile][rs] = {(table_addr | uint32_t(lane) * 4) + table_offset<K>(tile, rs)};
-              if (C::PRMT_LUT) pt[tile][rs] = load_prmt_table<K, T>(lut, row, M);
-              for (int p = 0; p < K; ++p)
-                if (row < M && w0 < W) cur[tile][rs][p] = load_planes<V>(planes + (size_t(p) * M + row) * wstride + w0);
+              st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K>(tile, rs)};
+              if constexpr (C::PRMT_LUT) pt[tile][rs] = prmt_table<K, T>(lut_row<K>(lut, row0 + 16 * tile + 8 * rs + g, M));
             }
-          const T* xrow = g < P.B ? x + size_t(g) * ldx : nullptr;
-          for (int v = 0; v < V; ++v) {
-            const T* xw = (xrow != nullptr && w0 + v < W) ? xrow + 32 * (w0 + v) : nullptr;
-            decode_word<K, TILES, FLAGS, T>(cur, v, xw, pt, st, p2,
+          const T* xrow = g < Pb.B ? x + size_t(g) * ldx : nullptr;
+          for (int v = 0; v < P; ++v) {  // the kernel's ring hands lane (g, t) words 4v + t of its step
+            const int w = w0 + 4 * v;
+            uint32_t R[TILES][2][K] = {};
+            for (int tile = 0; tile < TILES; ++tile)
+              for (int rs = 0; rs < 2; ++rs) {
+                const int row = row0 + 16 * tile + 8 * rs + g;
+                for (int p = 0; p < K; ++p)  // the ring zero-fills rows >= M and pieces past W
+                  if (row < M && (w & ~3) < W) R[tile][rs][p] = planes[(size_t(p) * M + row) * wstride + w];
+              }
+            static const T zeros[32] = {};
+            const T* xw = (xrow != nullptr && w < W) ? xrow + 32 * w : zeros;
+            decode_word<K, TILES, FLAGS, T>(R, xw, pt, st, p2,
                 [&](int tile, const uint32_t (&a)[4], uint32_t b01, uint32_t b23) {
                   recs[lane].push_back({tile, {a[0], a[1], a[2], a[3]}, b01, b23}); });
           }
@@ -216,19 +222,19 @@ static double run(const Problem& P) {
     for (int o = 0; o < TILES * 16 * kMaxBatch; ++o) {
       const OutputItem it = output_item(o);
       const int row = row0 + 16 * it.tile + it.r16;
-      if (it.b >= P.B || row >= M) continue;
+      if (it.b >= Pb.B || row >= M) continue;
       double s = 0;
       for (int w = 0; w < kWarps; ++w) s += red[((size_t(w) * TILES + it.tile) * 32 + it.src_lane) * 4 + it.e];
       out[size_t(it.b) * M + row] = s;
     }
   }
   double err = 0, scale = 0;
-  for (int b = 0; b < P.B; ++b)
+  for (int b = 0; b < Pb.B; ++b)
     for (int r = 0; r < M; ++r) {
       double s = 0;
-      for (int c = 0; c < P.N; ++c) {
-        const uint16_t e = centroid_bits<T>(lut[(size_t(r) << K) + (P.codes[size_t(r) * P.N + c] >> (8 - K))]);
-        s += double(elem(e, half)) * elem(P.x[size_t(b) * ldx + c], half);
+      for (int c = 0; c < Pb.N; ++c) {
+        const uint16_t e = centroid_bits<T>(lut[(size_t(r) << K) + (Pb.codes[size_t(r) * Pb.N + c] >> (8 - K))]);
+        s += double(elem(e, half)) * elem(Pb.x[size_t(b) * ldx + c], half);
       }
       const double got = out[size_t(b) * M + r];
       if (!std::isfinite(got)) return 3e30;

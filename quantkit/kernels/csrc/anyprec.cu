@@ -59,6 +59,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -73,6 +74,8 @@
 
 #include <optional>
 #include <string>
+
+#include "cp_async.h"
 #endif
 
 #define AP_HD __host__ __device__ __forceinline__
@@ -190,28 +193,6 @@ AP_HD uint16_t centroid_bits(uint16_t h) {
 // ---------------------------------------------------------------------------------------------
 // loads (host versions read plain memory)
 
-template <int V>
-struct Vec { uint32_t w[V]; };
-
-// plane words are read once: keep them out of L1 so x stays there
-template <int V>
-AP_HD Vec<V> load_planes(const uint32_t* p) {
-  Vec<V> r;
-#ifdef __CUDA_ARCH__
-  if constexpr (V == 4) {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3]) : "l"(p));
-  } else if constexpr (V == 2) {
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
-  } else {
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r.w[0]) : "l"(p));
-  }
-#else
-  std::memcpy(r.w, p, sizeof(r.w));
-#endif
-  return r;
-}
-
 template <typename T>
 AP_HD uint32_t ldx16(const T* p) {
 #ifdef __CUDA_ARCH__
@@ -263,6 +244,15 @@ AP_HD uint32_t lds32(uint32_t addr) {
 // ---------------------------------------------------------------------------------------------
 // compile-time configuration
 
+// Resident blocks per SM that registers and shared memory are sized for: AP_MIN_BLOCKS_SMALL for
+// k <= 7, AP_MIN_BLOCKS at k = 8 (measurements in BENCHMARKS.md, issue 9).
+#ifndef AP_MIN_BLOCKS_SMALL
+#define AP_MIN_BLOCKS_SMALL 3
+#endif
+#ifndef AP_MIN_BLOCKS
+#define AP_MIN_BLOCKS 2
+#endif
+
 template <int K, int TILES, int FLAGS>
 struct Config {
   static constexpr bool LAYOUT = FLAGS & FLAG_LAYOUT;
@@ -273,16 +263,38 @@ struct Config {
   static constexpr int KT_PER_MERGED = NIBBLE ? 2 : 1;      // k-tiles (4 codes) per merged word
   static constexpr uint32_t BASE = NIBBLE ? 0x11111111u : 0x01010101u;
   static constexpr uint32_t MASK = (1u << K) - 1;
-  // words per lane per (row, plane) and chunk: the widest load that keeps one chunk's plane
-  // words within 32 registers (a second chunk is in flight while this one is decoded)
-  static constexpr int V = (2 * TILES * K * 4 <= 32) ? 4 : (2 * TILES * K * 2 <= 32) ? 2 : 1;
-  static constexpr int CHUNK_WORDS = 4 * V;
   static constexpr int TABLE_BYTES = PRMT_LUT ? 0 : TILES * 2 * (1 << K) * 32 * 4;
-  // the table starts at a multiple of 2^(K+7) in the shared window, so code * 128 and the
-  // lane's bank offset can be or-ed into its base; the slack for that alignment is allocated
-  static constexpr int TABLE_ALIGN = PRMT_LUT ? 16 : (1 << (K + 7));
+  // The table starts at a multiple of 2^(K+7) in the shared window, so code * 128 and the lane's
+  // bank offset are or-ed into its base (one LOP3 per lookup); the slack for that alignment is
+  // allocated. At k = 8 the 32 KB of slack would cost a resident block: there the offset is added.
+  static constexpr bool TABLE_OR = !PRMT_LUT && K < 8;
+  static constexpr int TABLE_ALIGN = TABLE_OR ? (1 << (K + 7)) : 16;
   static constexpr int RED_BYTES = kWarps * TILES * 32 * 4 * 4;
-  static constexpr int SMEM_BYTES = RED_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
+  // The ring (see the kernel): an item is one (tile, row slot, plane) of a lane; a warp step reads
+  // PIECES 16-byte pieces (4 words of one row) per row and item, stage = all items of a step.
+  static constexpr int ITEMS = TILES * 2 * K;
+  static constexpr int stage_bytes(int pieces) { return kWarps * ITEMS * pieces * 32 * 4; }
+  // resident blocks per SM the registers and shared memory are sized for (228 KB per SM, 1 KB of
+  // it reserved per block)
+  static constexpr int MIN_BLOCKS = K <= 7 ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS;
+  static constexpr int SMEM_LIMIT = 228 * 1024 / MIN_BLOCKS - 1024;
+  static constexpr int FIXED_BYTES = RED_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
+#ifdef AP_PIECES
+  static constexpr int PIECES = AP_PIECES;
+#else
+  static constexpr int PIECES = SMEM_LIMIT - FIXED_BYTES >= 3 * stage_bytes(2) ? 2 : 1;
+#endif
+#ifdef AP_STAGES
+  static constexpr int STAGES = AP_STAGES;
+#else
+  static constexpr int STAGES = (SMEM_LIMIT - FIXED_BYTES) / stage_bytes(PIECES) >= 4 ? 4
+                                : (SMEM_LIMIT - FIXED_BYTES) / stage_bytes(PIECES) >= 3 ? 3 : 2;
+#endif
+  static_assert(STAGES >= 2 && (PIECES == 1 || PIECES == 2 || PIECES == 4), "ring needs 2+ stages of 1, 2 or 4 pieces");
+  static constexpr int STEP_WORDS = 4 * PIECES;  // words of each row per warp step
+  static constexpr int WARP_RING_BYTES = STAGES * ITEMS * PIECES * 32 * 4;
+  static constexpr int RING_BYTES = kWarps * WARP_RING_BYTES;
+  static constexpr int SMEM_BYTES = RED_BYTES + RING_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
 };
 
 // positions (in a word, before the per-plane rotation) of the 4 codes of k-tile (j, h), in
@@ -302,20 +314,46 @@ AP_HD constexpr int column_of(int q) { return LAYOUT ? pi(q) : q; }
 // tables
 
 struct PrmtTable { uint32_t lo0, lo1, hi0, hi1; };  // low / high bytes of entries 0-3, 4-7
-struct SmemTable { uint32_t lane_addr; };  // shared address of this lane's copy of entry 0, table aligned
+struct SmemTable { uint32_t lane_addr; };  // shared address of this lane's copy of entry 0
 
-// register table of one row; entry v = lut[row][bitrev_K(v)], zero past 2^K and for rows >= M
+// The 2^K fp16 centroids of one row (K <= 3: at most 16 bytes, one aligned load), zero for rows >= M.
+template <int K>
+AP_HD uint4 lut_row(const uint16_t* lut, int row, int M) {
+  static_assert(K <= 3, "register tables hold at most 8 entries");
+  uint4 r = make_uint4(0, 0, 0, 0);
+  if (row >= M) return r;
+  const uint16_t* src = lut + size_t(row) * (1 << K);
+#ifdef __CUDA_ARCH__
+  if constexpr (K == 3) r = __ldg(reinterpret_cast<const uint4*>(src));
+  else if constexpr (K == 2) { const uint2 u = __ldg(reinterpret_cast<const uint2*>(src)); r.x = u.x; r.y = u.y; }
+  else r.x = __ldg(reinterpret_cast<const unsigned int*>(src));
+#else
+  std::memcpy(&r, src, 2 << K);
+#endif
+  return r;
+}
+
+// Register table of one row from its centroids (lut_row): entry v = centroid bitrev_K(v), zero past 2^K.
 template <int K, typename T>
-AP_HD PrmtTable load_prmt_table(const uint16_t* lut, int row, int M) {
-  uint32_t lo[2] = {0, 0}, hi[2] = {0, 0};
-  if (row < M) {
+AP_HD PrmtTable prmt_table(const uint4& row) {
+  const uint32_t w[4] = {row.x, row.y, row.z, row.w};
+  if constexpr (K == 3 && std::is_same<T, __half>::value) {
+    // w = (L0 H0 L1 H1) (L2 H2 L3 H3) (L4 H4 L5 H5) (L6 H6 L7 H7) bytes; entries 0-3 are centroids
+    // 0 4 2 6, entries 4-7 are 1 5 3 7: eight byte permutes
+    const uint32_t a = prmt(w[0], w[2], 0x5140), b = prmt(w[1], w[3], 0x5140);  // L0 L4 H0 H4, L2 L6 H2 H6
+    const uint32_t c = prmt(w[0], w[2], 0x7362), d = prmt(w[1], w[3], 0x7362);  // L1 L5 H1 H5, L3 L7 H3 H7
+    return {prmt(a, b, 0x5410), prmt(c, d, 0x5410), prmt(a, b, 0x7632), prmt(c, d, 0x7632)};
+  } else {
+    uint32_t lo[2] = {0, 0}, hi[2] = {0, 0};
+#pragma unroll
     for (int v = 0; v < (1 << K); ++v) {
-      const uint16_t e = centroid_bits<T>(lut[size_t(row) * (1 << K) + bitrev(v, K)]);
+      const int i = bitrev(v, K);
+      const uint16_t e = centroid_bits<T>(uint16_t(w[i >> 1] >> (16 * (i & 1))));
       lo[v >> 2] |= uint32_t(e & 0xFF) << (8 * (v & 3));
       hi[v >> 2] |= uint32_t(e >> 8) << (8 * (v & 3));
     }
+    return {lo[0], lo[1], hi[0], hi[1]};
   }
-  return {lo[0], lo[1], hi[0], hi[1]};
 }
 
 // the 4 bank-replicated copies (lanes 4g..4g+3) of entry v of one row, as one 16-byte store
@@ -430,9 +468,10 @@ AP_HD void decode_ktile(const uint32_t (&R)[K], uint32_t merged, int j, int h, c
         // the code starts at bit q (LAYOUT) or at its nibble / byte boundary; rotate it to
         // bit 7 (x128: one 32-lane row of the replicated table) and or in this lane's bank
         const int start = C::LAYOUT ? q : q - j;
-        addr = (code_at_bit7<K>(merged, start, p2) & (C::MASK << 7)) | st.lane_addr;
+        const uint32_t code128 = code_at_bit7<K>(merged, start, p2) & (C::MASK << 7);
+        addr = C::TABLE_OR ? (code128 | st.lane_addr) : code128 + st.lane_addr;
       } else {
-        addr = (code_bitwise<K, C::LAYOUT>(R, q) << 7) | st.lane_addr;
+        addr = (code_bitwise<K, C::LAYOUT>(R, q) << 7) + st.lane_addr;
       }
       w[f] = lds32(addr);
     }
@@ -459,30 +498,27 @@ AP_HD void load_xfrag(const T* xw, int j, int h, uint32_t& b01, uint32_t& b23) {
   }
 }
 
-// Decode word v of this lane's chunk (planes pl[tile][rs][p] hold V words) and hand the A and
-// B fragments of each k-tile and tile to mma(tile, a[4], b01, b23). xw == nullptr: this lane
-// holds no batch row (or the word is past the end), its B fragment is zero.
+// Decode one word of this lane (R[tile][rs][p] = plane p of rows g / g+8 of the tile) and hand the
+// A and B fragments of each k-tile and tile to mma(tile, a[4], b01, b23). xw: x of this lane's batch
+// row at the word's 32 columns, or 32 zeros (kZeroX) where the lane has no batch row or word: the
+// loads then need no predicate (and no zeroing of their registers).
 #pragma nv_exec_check_disable
 template <int K, int TILES, int FLAGS, typename T, typename Mma>
-AP_HD void decode_word(const Vec<Config<K, TILES, FLAGS>::V> (&pl)[TILES][2][K], int v, const T* xw,
-                       const PrmtTable (&pt)[TILES][2], const SmemTable (&st)[TILES][2], const Pow2& p2,
-                       Mma&& mma) {
+AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const PrmtTable (&pt)[TILES][2],
+                       const SmemTable (&st)[TILES][2], const Pow2& p2, Mma&& mma) {
   using C = Config<K, TILES, FLAGS>;
 #pragma unroll
   for (int j = 0; j < C::MERGED; ++j) {
-    uint32_t R[TILES][2][K], merged[TILES][2];
+    uint32_t merged[TILES][2];
 #pragma unroll
     for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-      for (int rs = 0; rs < 2; ++rs) {
-#pragma unroll
-        for (int p = 0; p < K; ++p) R[tile][rs][p] = pl[tile][rs][p].w[v];
+      for (int rs = 0; rs < 2; ++rs)
         merged[tile][rs] = C::IBT ? merge<K, C::LAYOUT, C::NIBBLE, C::PRMT_LUT>(R[tile][rs], j) : 0u;
-      }
 #pragma unroll
     for (int h = 0; h < C::KT_PER_MERGED; ++h) {
-      uint32_t b01 = 0, b23 = 0;
-      if (xw != nullptr) load_xfrag<T, C::LAYOUT, C::NIBBLE>(xw, j, h, b01, b23);
+      uint32_t b01, b23;
+      load_xfrag<T, C::LAYOUT, C::NIBBLE>(xw, j, h, b01, b23);
 #pragma unroll
       for (int tile = 0; tile < TILES; ++tile) {
         uint32_t a[4];  // (row g, 2t..), (row g+8, 2t..), (row g, 2t+8..), (row g+8, 2t+8..)
@@ -526,6 +562,9 @@ struct MatvecArgs {
   Pow2 pow2;            // pow2.v[i] = 1 << i (filled by launch_matvec)
 };
 
+// 32 zero activations: the x of lanes without a batch row or past the last word
+__device__ __align__(16) const uint32_t kZeroX[16] = {};
+
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b01, uint32_t b23) {
   if constexpr (std::is_same<T, __half>::value) {
@@ -546,41 +585,90 @@ template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// Resident blocks per SM the register allocation must allow. Measured on the H100 (2026-11-24):
-// 3 blocks help k <= 3 with one tile (28672x8192 batch 1: 61.3 vs 64.3 us) and hurt every other
-// instance (k = 4: 89 vs 80 us), which needs its registers.
-#ifndef AP_MIN_BLOCKS_SMALL
-#define AP_MIN_BLOCKS_SMALL 3
-#endif
-#ifndef AP_MIN_BLOCKS
-#define AP_MIN_BLOCKS 2
-#endif
 
+// One block per tile of 16 * TILES rows; its 8 warps split the columns in steps of STEP_WORDS
+// words (step c of the tile goes to warp c % 8) and add their partial sums at the end.
+//
+// The plane words reach the warps through a ring of STAGES steps in shared memory (cp.async), so
+// up to STAGES - 1 steps are in flight per warp without holding registers. A warp step covers
+// STEP_WORDS = 4 * PIECES consecutive words of each of the tile's rows, and lane (g, t) decodes
+// words 4v + t (v < PIECES) of rows g and g + 8, so lanes that share t (whose fragments meet in one
+// mma) always hold the same columns. Per item (tile, row slot, plane) a step is 8 rows x PIECES
+// 16-byte pieces (4 words of one row), copied one per lane (lane 8v + r copies piece v of row r)
+// and stored [v][row][t], so lane 4g + t reads word (v, g, t) from bank 4g + t. Lanes read words
+// other lanes copied: each waits for its own copies, then the warp syncs.
+// (Measured and dropped, 2026-11-24: persistent blocks looping over tiles, 6-12 % slower.)
 template <int K, typename T, int TILES, int FLAGS>
-__global__ void __launch_bounds__(kThreads, (K <= 3 && TILES == 1) ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS) matvec_kernel(const MatvecArgs args) {
+__global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS)) matvec_kernel(const MatvecArgs args) {
   using C = Config<K, TILES, FLAGS>;
-  constexpr int V = C::V;
+  constexpr int P = C::PIECES, S = C::STAGES, ITEMS = C::ITEMS;
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16 * TILES;
   const int M = args.M, W = args.W;
+  const int nsteps = (W + C::STEP_WORDS - 1) / C::STEP_WORDS;
+  const int steps = warp < nsteps ? (nsteps - warp + kWarps - 1) / kWarps : 0;  // this warp's
 
-  // shared memory: [partial sums, RED_BYTES] [alignment slack] [tables, TABLE_ALIGN-aligned]
+  // shared memory: [partial sums, RED_BYTES] [ring, RING_BYTES] [alignment slack] [tables]
   const uint32_t red_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t table_addr = (red_addr + C::RED_BYTES + C::TABLE_ALIGN - 1) & ~uint32_t(C::TABLE_ALIGN - 1);
-  unsigned char* table = smem + (table_addr - red_addr);
+  unsigned char* ring = smem + C::RED_BYTES + warp * C::WARP_RING_BYTES;
+  const uint32_t ring_addr = red_addr + C::RED_BYTES + warp * C::WARP_RING_BYTES + lane * 4;  // this lane's words
+  const uint32_t table_addr =
+      (red_addr + C::RED_BYTES + C::RING_BYTES + C::TABLE_ALIGN - 1) & ~uint32_t(C::TABLE_ALIGN - 1);
+
+  // The piece this lane copies per item: row pr of the row slot, words 4 * pv.. of the step. Offsets
+  // are 32-bit (the host checks k * M * wstride < 2^31).
+  const int pr = lane & 7, pv = lane >> 3;
+  const uint32_t plane_stride = uint32_t(M) * uint32_t(args.wstride);
+  uint32_t row_off[TILES][2];
+  bool row_ok[TILES][2];
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const int row = row0 + 16 * tile + 8 * rs + pr;
+      row_ok[tile][rs] = row < M;
+      row_off[tile][rs] = row_ok[tile][rs] ? uint32_t(row) * uint32_t(args.wstride) + 4 * pv : 0u;
+    }
+  auto issue = [&](int step, int stage) {
+    if (pv >= P) return;  // lanes without a piece (PIECES < 4)
+    const int word = (warp + kWarps * step) * C::STEP_WORDS;  // + 4 * pv, in row_off
+    const bool in_row = word + 4 * pv < W;
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+        const bool ok = row_ok[tile][rs] && in_row;
+        const uint32_t off = ok ? row_off[tile][rs] + uint32_t(word) : 0u;
+#pragma unroll
+        for (int p = 0; p < K; ++p) {
+          const int item = (tile * 2 + rs) * K + p;
+          qk::copy_async<16>(ring + (((stage * ITEMS + item) * P + pv) * 32 + pr * 4) * 4,
+                             args.planes + off + (ok ? p * plane_stride : 0u), ok);
+        }
+      }
+  };
+
+  // prologue: S - 1 steps in flight (one commit group per step, empty past the warp's last step)
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < steps) issue(s, s);
+    qk::commit_async();
+  }
+
+  // tables: k <= 3 in registers (each lane its rows g, g + 8), else in shared memory
   PrmtTable pt[TILES][2] = {};
   SmemTable st[TILES][2];
 #pragma unroll
   for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
-      // (table_addr | lane * 4) + offset: the constant offset folds into the load
-      st[tile][rs] = {(table_addr | uint32_t(lane) * 4) + table_offset<K>(tile, rs)};
-      if constexpr (C::PRMT_LUT) pt[tile][rs] = load_prmt_table<K, T>(args.lut, row0 + 16 * tile + 8 * rs + g, M);
+      st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K>(tile, rs)};
+      if constexpr (C::PRMT_LUT) pt[tile][rs] = prmt_table<K, T>(lut_row<K>(args.lut, row0 + 16 * tile + 8 * rs + g, M));
     }
   if constexpr (!C::PRMT_LUT) {
     constexpr int items = TILES * 2 * (1 << K) * 8;
+    unsigned char* table = smem + (table_addr - red_addr);
     for (int i = threadIdx.x; i < items; i += kThreads) {
       int v;
       const int row = row0 + table_item<K>(i, v);
@@ -591,52 +679,33 @@ __global__ void __launch_bounds__(kThreads, (K <= 3 && TILES == 1) ? AP_MIN_BLOC
 
   const T* x = static_cast<const T*>(args.x);
   const T* xrow = g < args.B ? x + size_t(g) * args.ldx : nullptr;
-  size_t plane_stride = size_t(M) * args.wstride;
-  const uint32_t* prow[TILES][2];
-  bool rok[TILES][2];
-#pragma unroll
-  for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-      const int row = row0 + 16 * tile + 8 * rs + g;
-      rok[tile][rs] = row < M;
-      prow[tile][rs] = args.planes + size_t(rok[tile][rs] ? row : 0) * args.wstride;
-    }
-
-  auto load_chunk = [&](Vec<V>(&dst)[TILES][2][K], int chunk) {
-    const int w0 = chunk * C::CHUNK_WORDS + t * V;
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-      for (int rs = 0; rs < 2; ++rs)
-#pragma unroll
-        for (int p = 0; p < K; ++p) {
-          if (rok[tile][rs] && w0 < W) dst[tile][rs][p] = load_planes<V>(prow[tile][rs] + p * plane_stride + w0);
-          else dst[tile][rs][p] = Vec<V>{};
-        }
-  };
-
+  const T* zeros = reinterpret_cast<const T*>(kZeroX);
   float acc[TILES][4] = {};
   auto mma = [&](int tile, const uint32_t (&a)[4], uint32_t b01, uint32_t b23) { mma16816<T>(acc[tile], a, b01, b23); };
-
-  const int nchunks = (W + C::CHUNK_WORDS - 1) / C::CHUNK_WORDS;
-  Vec<V> cur[TILES][2][K] = {}, nxt[TILES][2][K] = {};
-  if (warp < nchunks) load_chunk(cur, warp);
-  for (int chunk = warp; chunk < nchunks; chunk += kWarps) {
-    if (chunk + kWarps < nchunks) load_chunk(nxt, chunk + kWarps);  // in flight while we decode
-    const int w0 = chunk * C::CHUNK_WORDS + t * V;
+  int stage = 0;
+  for (int s = 0; s < steps; ++s) {
+    qk::wait_async<S - 2>();  // this lane's copies of step s have landed
+    __syncwarp();             // ... and every other lane's; the stage step s - 1 used is free
+    if (s + S - 1 < steps) issue(s + S - 1, stage == 0 ? S - 1 : stage - 1);
+    qk::commit_async();
+    const int w0 = (warp + kWarps * s) * C::STEP_WORDS + t;
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      const T* xw = (xrow != nullptr && w0 + v < W) ? xrow + 32 * (w0 + v) : nullptr;
-      decode_word<K, TILES, FLAGS, T>(cur, v, xw, pt, st, args.pow2, mma);
+    for (int v = 0; v < P; ++v) {
+      uint32_t R[TILES][2][K];
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs)
+#pragma unroll
+          for (int p = 0; p < K; ++p)
+            R[tile][rs][p] = lds32(ring_addr + ((stage * ITEMS + (tile * 2 + rs) * K + p) * P + v) * 128);
+      const int w = w0 + 4 * v;
+      const T* xw = (xrow != nullptr && w < W) ? xrow + 32 * w : zeros;
+      decode_word<K, TILES, FLAGS, T>(R, xw, pt, st, args.pow2, mma);
     }
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-      for (int rs = 0; rs < 2; ++rs)
-#pragma unroll
-        for (int p = 0; p < K; ++p) cur[tile][rs][p] = nxt[tile][rs][p];
+    stage = stage + 1 == S ? 0 : stage + 1;
   }
+  qk::wait_async<0>();  // no copy may outlive the block (only empty groups remain here)
 
   // add the 8 warps' partial sums
   float4* red = reinterpret_cast<float4*>(smem);
@@ -651,11 +720,11 @@ __global__ void __launch_bounds__(kThreads, (K <= 3 && TILES == 1) ? AP_MIN_BLOC
     const OutputItem it = output_item(o);
     const int row = row0 + 16 * it.tile + it.r16;
     if (it.b >= args.B || row >= M) continue;
-    float s = 0.f;
+    float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += redf[((w * TILES + it.tile) * 32 + it.src_lane) * 4 + it.e];
-    if (bias != nullptr) s += to_float<T>(bias[row]);
-    out[size_t(it.b) * M + row] = from_float<T>(s);
+    for (int w = 0; w < kWarps; ++w) sum += redf[((w * TILES + it.tile) * 32 + it.src_lane) * 4 + it.e];
+    if (bias != nullptr) sum += to_float<T>(bias[row]);
+    out[size_t(it.b) * M + row] = from_float<T>(sum);
   }
 }
 
@@ -725,16 +794,18 @@ int launch_instance(const MatvecArgs& a, cudaStream_t stream) {
   } else {
     using C = Config<K, TILES, FLAGS>;
     auto kernel = matvec_kernel<K, T, TILES, FLAGS>;
-    if (C::SMEM_BYTES > 48 * 1024) {
-      // opt in to > 48 KB once per instance and device (not a stream operation: capture-safe)
-      static uint64_t raised = 0;
-      int dev = 0;
-      if (cudaGetDevice(&dev) != cudaSuccess) return kLaunchFailed;
-      if (dev >= 64 || !((raised >> dev) & 1)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess)
-          return kLaunchFailed;
-        if (dev < 64) raised |= uint64_t(1) << dev;
-      }
+    // once per instance and device: opt in to > 48 KB of shared memory and a carveout that holds
+    // MIN_BLOCKS blocks (the driver's default may keep more L1); not stream operations: capture-safe
+    static uint64_t configured = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return kLaunchFailed;
+    if (!((configured >> dev) & 1)) {
+      const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
+      if ((C::SMEM_BYTES > 48 * 1024 &&
+           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess) ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout) != cudaSuccess)
+        return kLaunchFailed;
+      configured |= uint64_t(1) << dev;
     }
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
     kernel<<<blocks, kThreads, C::SMEM_BYTES, stream>>>(a);
@@ -876,6 +947,10 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   QK_CHECK(anyprec::has_matvec(dt, int(k), int(tiles), int(flags)), "anyprec.matvec: no kernel built for dtype=",
               x.scalar_type(), " bits=", k, " tiles=", tiles, " flags=", flags);
   QK_CHECK(x.size(1) <= INT32_MAX / 2, "anyprec.matvec: x row too long");
+  QK_CHECK(k * M * planes.size(2) <= INT32_MAX, "anyprec.matvec: the top ", k, " planes hold ", k * M * planes.size(2),
+           " words; the kernel's 32-bit offsets need fewer than 2^31 (split the layer)");
+  QK_CHECK(reinterpret_cast<uintptr_t>(planes.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(lut.data_ptr()) % 16 == 0,
+           "anyprec.matvec: planes and lut must be 16-byte aligned");
 
   const c10::cuda::CUDAGuard guard(x.device());
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),

@@ -103,6 +103,11 @@ inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fe
 #include <cuda_runtime.h>
 #endif
 
+#ifdef LUTGEMM_HOST_EMU
+#define QK_HOST_EMU
+#endif
+#include "cp_async.h"
+
 namespace lutgemm {
 
 constexpr int kThreads = 256;  // 8 warps; the table builder relies on 8 warps = 8 values of key bits 5..7
@@ -209,39 +214,12 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
 #endif
 }
 
-// ---- the shared-memory ring: asynchronous copies (cp.async, sm_80+) ------------------------------
+// ---- the shared-memory ring (cp_async.h) ---------------------------------------------------------
 // A lane copies its own words into its own ring slots and reads back only those, so no block barrier
 // guards the ring: cp.async.wait_group orders a thread's copies before its own reads.
-
-// N = 16 or 8 bytes (zeros when !valid). The 16-byte sign words are read once: L2 only (.cg); the
-// 8-byte α and z are reused by the other words of their group: through L1 (.ca).
-template <int N>
-__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
-  static_assert(N == 16 || N == 8, "copy_async moves 16 or 8 bytes");
-#ifdef LUTGEMM_HOST_EMU
-  if (valid) std::memcpy(dst, src, N); else std::memset(dst, 0, N);
-#else
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  if constexpr (N == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(valid ? 8 : 0) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void commit_async() {
-#ifndef LUTGEMM_HOST_EMU
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void wait_async() {
-#ifndef LUTGEMM_HOST_EMU
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
+using qk::commit_async;
+using qk::copy_async;
+using qk::wait_async;
 
 __device__ __forceinline__ void atomic_add4(float* p, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -30,10 +30,10 @@ MAX_BATCH = 8  # rows of x per matvec launch
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
 # dequantize + cuBLAS takes over: "cached" when QuantLinear already holds the dequantized weight
 # for this (device, dtype, bits) (then only cuBLAS runs), "uncached" when it would have to be made.
-# Measured (bench_anyprec_kernel.py switch-point table, 4-bit, H100, 2026-11-22): the kernel still wins
-# up to 8 rows against a cached fp16 weight and up to 16 (11008x4096) / 24 (28672x8192) rows against
-# dequantize + cuBLAS; the smaller of each pair is kept.
-MATVEC_MAX_ROWS = {"cached": 8, "uncached": 16}
+# Measured (bench_anyprec_kernel.py switch-point table, 4-bit, H100, 2026-11-24, ring kernel): the
+# kernel still wins up to 8 rows against a cached fp16 weight and up to 24 rows (11008x4096 and
+# 28672x8192) against dequantize + cuBLAS; the smaller of each shape pair is kept.
+MATVEC_MAX_ROWS = {"cached": 8, "uncached": 24}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -12,15 +12,15 @@
 //
 // Work split (one block of 8 warps, 256 threads; TILES = 1 or 2 tiles of 16 rows per block):
 //
-//   rows row0 .. row0+16*TILES-1                  columns, in chunks of 4*V words (128*V columns)
-//   +--------------------------------------+      chunk c is done by warp c % 8 (interleaved, so
+//   rows row0 .. row0+16*TILES-1                  columns, in steps of 4*P words (128*P columns)
+//   +--------------------------------------+      step c is done by warp c % 8 (interleaved, so
 //   | tile 0: 16 rows | w0 | w1 | ... | w7 |w0..   the 8 warps of a block stream neighbouring
-//   | tile 1: 16 rows |  (same warp does all tiles of a chunk: x fragments are reused)
+//   | tile 1: 16 rows |  (same warp does all tiles of a step: x fragments are reused)
 //   +--------------------------------------+      partial sums of the 8 warps are added in smem.
 //
 //   inside a warp, lane = 4g + t (mma "groupID" g, "threadID_in_group" t):
 //     rows      g and g+8 of every tile       (the A rows this lane holds)
-//     words     chunk*4V + t*V .. +V-1        (the 4 lanes of a row read 16*V contiguous bytes)
+//     words     step*4P + 4v + t, v < P       (plane words arrive through a shared-memory ring)
 //     batch     g                             (the B column this lane holds; zero when g >= B)
 //   one 32-column word = 8 k-tiles of 4 weights; a k-tile gives this lane the pairs
 //   (k-slots 2t,2t+1) and (2t+8,2t+9) of one mma, so every mma sums 4 lanes x 4 columns.
@@ -295,6 +295,7 @@ struct Config {
   static constexpr int WARP_RING_BYTES = STAGES * ITEMS * PIECES * 32 * 4;
   static constexpr int RING_BYTES = kWarps * WARP_RING_BYTES;
   static constexpr int SMEM_BYTES = RED_BYTES + RING_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
+  static_assert(SMEM_BYTES <= 227 * 1024, "ring and tables exceed a block's shared memory (AP_PIECES / AP_STAGES)");
 };
 
 // positions (in a word, before the per-plane rotation) of the 4 codes of k-tile (j, h), in
@@ -584,7 +585,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
 
 // One block per tile of 16 * TILES rows; its 8 warps split the columns in steps of STEP_WORDS
 // words (step c of the tile goes to warp c % 8) and add their partial sums at the end.

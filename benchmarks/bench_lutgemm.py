@@ -120,7 +120,6 @@ def bench_shape(ops, k, d, args, l2):
         for g in args.groups:
             gs = d if g == -1 else g
             copies = bcq_copies(k, d, q, gs, args.offset, l2)
-            one = copies[0]
             for n in args.batches:
                 x = torch.randn(n, d, device=dev).half()
                 kernels = [("lut", 9)] + ([("mma", 1)] if n >= 2 and mma_ok(gs, d) else [])
@@ -150,7 +149,7 @@ def bench_shape(ops, k, d, args, l2):
                           f"{gbps:8.0f} GB/s {gbps / c_gbps:6.2f}  | cuBLAS {c_sec * 1e6:9.1f} us {c_gbps:6.0f} GB/s "
                           f"| x{c_sec / sec:5.2f}  err {err:.1e}{flag}"
                           + ("" if zeroed_us is None else f"  | memset per call {zeroed_us:7.1f} us"), flush=True)
-            del copies, one
+            del copies
     return rows
 
 
@@ -192,7 +191,6 @@ def grid_sweep(ops, args, l2):
     for k, d in GRID_SWEEP_SHAPES:
         for q in (3, 4):
             copies = bcq_copies(k, d, q, 128, False, l2)
-            one = copies[0]
             x = torch.randn(1, d, device=dev).half()
             out = torch.empty(1, k, dtype=torch.float16, device=dev)
             ws = torch.zeros(ops.workspace_floats(1, k), dtype=torch.float32, device=dev)
@@ -206,7 +204,7 @@ def grid_sweep(ops, args, l2):
             out_rows.append(res)
             print(f"{k:>6}x{d:<6} q{q} steps {steps:5d}: " + "  ".join(
                 f"{'auto' if s == 0 else f'>={s}'} {v:6.1f}" for s, v in res["us"].items()), flush=True)
-            del copies, one
+            del copies
     return out_rows
 
 

@@ -116,6 +116,8 @@ def run_torch(mats, sens, seed_bits, parent_bits):
 
 
 def main():
+    from quantkit.methods.kmeans_native import ISAS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--linears", default=LINEARS, help="safetensors of {module name: weight} [%(default)s]")
     ap.add_argument("--dump-from", default=None, help="write --linears from this model first (e.g. smollm2)")
@@ -130,7 +132,7 @@ def main():
     ap.add_argument("--level-weights", default=None, help="joint: comma-separated λ multipliers for bits seed..parent")
     ap.add_argument("--window", type=int, default=None, help="joint: seed-cut window (default: the method's)")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads [torch.get_num_threads()]")
-    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2"],
+    ap.add_argument("--isa", default="auto", choices=ISAS,
                     help="instruction set of the extension's scans (the same results) [%(default)s]")
     ap.add_argument("--layers", type=int, default=None, help="only the first N decoder layers")
     ap.add_argument("--torch-layers", type=int, default=1, help="decoder layers also run on the torch path (0: none)")

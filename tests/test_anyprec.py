@@ -212,8 +212,8 @@ def test_fisher_cpu_dtype_follows_the_hardware(monkeypatch, amx, avx512_bf16, ex
     """bf16 only where the CPU multiplies it natively: emulated bf16 was 2.2x slower than fp32 here."""
     from quantkit.engine import fisher
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert fisher.cpu_default_dtype() == expected
 
 

@@ -45,6 +45,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "check.h"  // QK_CHECK: messages with numbers without iostreams
 #endif
 
 #include <immintrin.h>
@@ -171,24 +173,24 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, std::map
     const at::Tensor& W, const at::Tensor& sens, int64_t seed_bits, int64_t parent_bits, bool joint,
     const std::vector<double>& level_weights, int64_t window, double seed_tolerance, int64_t threads,
     const std::string& isa) {
-  TORCH_CHECK(W.device().is_cpu() && W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(),
+  QK_CHECK(W.device().is_cpu() && W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(),
               "anyprec_cpu: W must be a contiguous fp32 CPU matrix, got ", W.scalar_type(), " ", W.sizes());
-  TORCH_CHECK(sens.device().is_cpu() && sens.scalar_type() == at::kDouble && sens.is_contiguous(),
+  QK_CHECK(sens.device().is_cpu() && sens.scalar_type() == at::kDouble && sens.is_contiguous(),
               "anyprec_cpu: sensitivity must be contiguous fp64 on the CPU, got ", sens.scalar_type());
   const int64_t R = W.size(0), n = W.size(1);
-  TORCH_CHECK((sens.dim() == 1 && sens.size(0) == n) || (sens.dim() == 2 && sens.size(0) == R && sens.size(1) == n),
+  QK_CHECK((sens.dim() == 1 && sens.size(0) == n) || (sens.dim() == 2 && sens.size(0) == R && sens.size(1) == n),
               "anyprec_cpu: sensitivity must be [", n, "] or [", R, ", ", n, "], got ", sens.sizes());
-  TORCH_CHECK(1 <= seed_bits && seed_bits <= parent_bits && parent_bits <= 8,
+  QK_CHECK(1 <= seed_bits && seed_bits <= parent_bits && parent_bits <= 8,
               "anyprec_cpu: need 1 <= seed_bits <= parent_bits <= 8, got ", seed_bits, " and ", parent_bits);
-  TORCH_CHECK(n >= 1 && n < (int64_t(1) << 31), "anyprec_cpu: row length ", n, " out of range");
+  QK_CHECK(n >= 1 && n < (int64_t(1) << 31), "anyprec_cpu: row length ", n, " out of range");
   const int s = static_cast<int>(seed_bits), p = static_cast<int>(parent_bits);
   const int levels = p - s + 1;
-  TORCH_CHECK(!joint || static_cast<int>(level_weights.size()) == levels, "anyprec_cpu: ", levels,
+  QK_CHECK(!joint || static_cast<int>(level_weights.size()) == levels, "anyprec_cpu: ", levels,
               " level weights needed for bits ", s, "..", p, ", got ", level_weights.size());
-  for (double v : level_weights) TORCH_CHECK(v > 0 && std::isfinite(v), "anyprec_cpu: level weights must be > 0");
-  TORCH_CHECK(window >= 0 && window <= 4096, "anyprec_cpu: window must be in 0..4096, got ", window);
+  for (double v : level_weights) QK_CHECK(v > 0 && std::isfinite(v), "anyprec_cpu: level weights must be > 0");
+  QK_CHECK(window >= 0 && window <= 4096, "anyprec_cpu: window must be in 0..4096, got ", window);
   const std::string used = anyprec::pick_isa(isa);
-  TORCH_CHECK(!used.empty(), "anyprec_cpu: instruction set ", isa, " is not available (auto, generic, avx2)");
+  QK_CHECK(!used.empty(), "anyprec_cpu: instruction set ", isa, " is not available (auto, generic, avx2)");
   const int nthreads = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
 
   auto opts = at::TensorOptions().dtype(at::kDouble);
@@ -208,7 +210,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, std::map
     bad = anyprec::quantize_rows(used, W.data_ptr<float>(), sens.data_ptr<double>(), sens.dim() == 2 ? n : 0, R, n,
                                  s, p, joint, level_weights, window, seed_tolerance, nthreads, out);
   }
-  TORCH_CHECK(bad < 0, "anyprec_cpu: row ", bad, " has a weight that is not finite or a sensitivity that is "
+  QK_CHECK(bad < 0, "anyprec_cpu: row ", bad, " has a weight that is not finite or a sensitivity that is "
               "negative or not finite");
   std::map<std::string, double> secs;
   secs["wall"] = out.wall;
@@ -220,12 +222,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, std::map
 // sorted distinct values, and the inertia fp64 [R]. For tests and measurements.
 std::tuple<at::Tensor, at::Tensor> kmeans_exact(const at::Tensor& W, const at::Tensor& sens, int64_t K,
                                                 int64_t threads, const std::string& isa) {
-  TORCH_CHECK(W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(), "kmeans_exact: fp32 [R, n] W");
-  TORCH_CHECK(sens.scalar_type() == at::kDouble && sens.is_contiguous() && sens.numel() % W.size(1) == 0,
+  QK_CHECK(W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(), "kmeans_exact: fp32 [R, n] W");
+  QK_CHECK(sens.scalar_type() == at::kDouble && sens.is_contiguous() && sens.numel() % W.size(1) == 0,
               "kmeans_exact: fp64 sensitivity [n] or [R, n]");
-  TORCH_CHECK(K >= 1 && K <= 65536, "kmeans_exact: K out of range");
+  QK_CHECK(K >= 1 && K <= 65536, "kmeans_exact: K out of range");
   const std::string used = anyprec::pick_isa(isa);
-  TORCH_CHECK(!used.empty(), "kmeans_exact: instruction set ", isa, " is not available (auto, generic, avx2)");
+  QK_CHECK(!used.empty(), "kmeans_exact: instruction set ", isa, " is not available (auto, generic, avx2)");
   const int64_t R = W.size(0), n = W.size(1);
   at::Tensor cuts = at::empty({R, K + 1}, at::TensorOptions().dtype(at::kInt));
   at::Tensor inertia = at::empty({R}, at::TensorOptions().dtype(at::kDouble));
@@ -237,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> kmeans_exact(const at::Tensor& W, const at::T
                                      n, static_cast<int>(K), nthreads, cuts.data_ptr<int32_t>(),
                                      inertia.data_ptr<double>());
   }
-  TORCH_CHECK(bad < 0, "kmeans_exact: row ", bad, " has a weight that is not finite or a sensitivity that "
+  QK_CHECK(bad < 0, "kmeans_exact: row ", bad, " has a weight that is not finite or a sensitivity that "
               "is negative or not finite");
   return {cuts, inertia};
 }
@@ -386,18 +388,13 @@ AP_INLINE int argmin_F_plus_S(const Row& row, const double* F, int a, int b, int
 #if !AP_AVX2  // (used by run_B only)
 // first argmin over c in [a, b] of S(x, c) + G[c]
 AP_INLINE int argmin_S_plus_G(const Row& row, const double* G, int a, int b, int x, double* val) {
-#if AP_AVX2
-  const __m256d px0 = bcast(row.P0 + x), px1 = bcast(row.P1 + x), px2 = bcast(row.P2 + x);
-  auto vec = [&](int c) { return _mm256_add_pd(S4_from(row, px0, px1, px2, c), _mm256_loadu_pd(G + c)); };
-#else
   auto vec = [](int) { return 0; };
-#endif
   return argmin_range(a, b, [&](int c) { return row.S(x, c) + G[c]; }, vec, val);
 }
 #endif
 
-// The first c in [a, b] minimising S(lo, c) + S(c, hi): the best cut of run [lo, hi) within [a, b].
-AP_INLINE int best_cut_in(const Row& row, int lo, int hi, int a, int b, double* val) {
+// Exact weighted 2-means cut of run [lo, hi): the first x in [lo, hi] minimising S(lo, x) + S(x, hi).
+AP_INLINE int best_cut(const Row& row, int lo, int hi) {
 #if AP_AVX2
   const __m256d pl0 = bcast(row.P0 + lo), pl1 = bcast(row.P1 + lo), pl2 = bcast(row.P2 + lo);
   const __m256d ph0 = bcast(row.P0 + hi), ph1 = bcast(row.P1 + hi), ph2 = bcast(row.P2 + hi);
@@ -405,7 +402,8 @@ AP_INLINE int best_cut_in(const Row& row, int lo, int hi, int a, int b, double* 
 #else
   auto vec = [](int) { return 0; };
 #endif
-  return argmin_range(a, b, [&](int c) { return row.S(lo, c) + row.S(c, hi); }, vec, val);
+  double value;
+  return argmin_range(lo, hi, [&](int c) { return row.S(lo, c) + row.S(c, hi); }, vec, &value);
 }
 
 // first argmin over c in [a, b] of u[c] + v[c] (arrays readable 3 entries past b)
@@ -416,12 +414,6 @@ AP_INLINE int argmin_sum(const double* u, const double* v, int a, int b, double*
   auto vec = [](int) { return 0; };
 #endif
   return argmin_range(a, b, [&](int c) { return u[c] + v[c]; }, vec, val);
-}
-
-// Exact weighted 2-means cut of run [lo, hi): the first x in [lo, hi] minimising S(lo, x) + S(x, hi).
-AP_INLINE int best_cut(const Row& row, int lo, int hi) {
-  double value;
-  return best_cut_in(row, lo, hi, lo, hi, &value);
 }
 
 // For k = 0..hi-lo: outL[k] = S(lo, lo + k) and outR[k] = S(lo + k, hi) (either may be null; the arrays
@@ -450,7 +442,7 @@ struct Scratch {
   std::vector<int32_t> rank;
   std::vector<double> fa, fb, fc, buf2;
   std::vector<int> ia, ib, ic, id;
-  std::vector<int> cuts_a, cuts_b, cuts_c, cuts_d, cuts_e;
+  std::vector<int> cuts_a, cuts_b, cuts_c, cuts_d;
   double *dp_F = nullptr, *dp_G = nullptr;  // kmeans_dp's last layer, for kmeans_dp_more
   std::vector<double> sa, sb;  // refine_seed: S rows of one transition's window pairs
   std::vector<double> la[2];  // look-ahead arrays of two consecutive levels
@@ -458,13 +450,6 @@ struct Scratch {
 };
 
 // ---------------------------------------------------------------- prepare
-
-inline uint32_t order_bits(float v) {
-  if (v == 0.0f) v = 0.0f;  // -0 and +0 are one value
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 // Sort (value, column) keys by value with an LSD radix sort over the 32 value bits, 8 at a time;
 // a pass whose digit is the same for every key is skipped.
@@ -533,7 +518,7 @@ int prepare_row(const float* w, const double* sens, int n, Scratch& sc) {
     bad |= static_cast<unsigned>((u & 0x7f800000u) == 0x7f800000u) | static_cast<unsigned>(!(sens[c] >= 0)) |
            static_cast<unsigned>(!(sens[c] < kInf));
     u = (u & 0x7fffffffu) ? u : 0u;  // -0 and +0 are one value
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving (as order_bits)
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // float order as unsigned order: negatives flipped
     keys[c] = (static_cast<uint64_t>(u) << 32) | static_cast<uint32_t>(c);
   }
   if (bad) return -1;
@@ -801,7 +786,7 @@ double refine_seed(const Row& row, int K, double l0, double l1, int window, int 
             if (ia + 1 < na && a + 1 <= b) chi = std::min(chi, cp[(ia + 1) * W + ib]);
             if (clo > chi) clo = chi;  // only possible through ties; keep the bounds consistent
             double best;
-            cp[ia * W + ib] = argmin_sum(sa, sb, clo, chi, &best);  // the same sums as best_cut_in
+            cp[ia * W + ib] = argmin_sum(sa, sb, clo, chi, &best);  // the same sums as best_cut
             cv[ia * W + ib] = l0 * sa[b] + l1 * best;
           }
         }
@@ -1358,7 +1343,7 @@ int64_t quantize_rows(const float* w, const double* sv, int64_t sens_stride, int
       for (int64_t r = 0; r < R; ++r) tot += split_sse[r * levels + b];
       lam[b] = level_weights[b] / std::max(tot, 1e-300);
     }
-    const std::vector<int> split_leaf(leaf);
+    const std::vector<int> split_leaf = seed_tolerance >= 0 ? leaf : std::vector<int>();  // for rows sent back
     std::vector<double> seed_sse(R);
     // joint and finish of every row; rows that the seed tolerance sends back to split are finished again below
 #pragma omp parallel num_threads(nthreads)

@@ -120,9 +120,10 @@ def bench_shape(ops, k, d, args, l2):
         for g in args.groups:
             gs = d if g == -1 else g
             copies = bcq_copies(k, d, q, gs, args.offset, l2)
+            one = copies[0]
             for n in args.batches:
                 x = torch.randn(n, d, device=dev).half()
-                kernels = [("lut", 9)] + ([("mma", 1)] if n >= 2 and mma_ok(gs, d) else [])
+                kernels = [("lut", 9)] + ([("mma", 1)] if mma_ok(gs, d) else [])
                 # kept workspace, as QuantLinear runs it (the kernels leave it zero: no memset per call)
                 ws = torch.zeros(ops.workspace_floats(n, k), dtype=torch.float32, device=dev)
                 for kernel, mma_min in kernels:

@@ -5,8 +5,9 @@ Two paths, chosen by the number of tokens (rows of x):
   * tokens <= MATVEC_MAX_TOKENS: the LUT kernel (csrc/lutgemm.cu) reads the packed sign planes
     directly: fp16 activations, fp32 accumulation, fp16 output (converted to x.dtype). It runs 8
     tokens per launch; launches of MMA_MIN_BATCH..8 tokens go to the same file's tensor-core kernel
-    instead (sign planes decoded to ±1 fp16 in registers, mma.sync), where the groups allow it,
-    because at 8 columns a LUT read moves 16 bytes of shared memory per 8 weights.
+    instead (sign bits turned into fp16 mma operands in registers, one AND per pair of weights,
+    mma.sync), where the groups allow it, because at 8 columns a LUT read moves 16 bytes of shared
+    memory per 8 weights.
   * more tokens (prefill, perplexity): the dequantize kernel writes the dense weight in x.dtype
     (bit-identical to the reference dequantization) and cuBLAS does the GEMM; the weight goes into
     QuantLinear's own cache when module.cache_weight is true.
@@ -40,10 +41,10 @@ from quantkit.kernels.dispatch import register
 MATVEC_MAX_TOKENS = 8
 
 # Smallest launch (columns of x, at most 8) served by the tensor-core kernel instead of the LUT one,
-# when group_size % 128 == 0 or one group per row. Measured (bench_lutgemm.py "batch sweep", H100):
-# the mma kernel wins only on the small 4096-wide shapes and loses on the large ones the goals name,
-# so 9 = off; the kernel stays built and tested for GPUs where the balance differs.
-MMA_MIN_BATCH = 9
+# when group_size % 128 == 0 or one group per row. Measured (bench_lutgemm.py "batch sweep", H100,
+# 2026-11-24, 49152x12288 q3 g128): the LUT kernel wins up to 4 columns (105-134 us), then its
+# padded 8-column tables cost 224-229 us against 158-163 us on tensor cores; 9 would turn it off.
+MMA_MIN_BATCH = 5
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes
 

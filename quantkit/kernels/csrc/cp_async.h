@@ -9,19 +9,22 @@
 
 namespace qk {
 
-// N = 16 or 8 bytes, zeros when !valid (src is then not read). 16-byte copies skip L1 (.cg: data
-// read once); 8-byte ones cannot, so they go through it (.ca: data reused by neighbouring threads).
-template <int N>
+// N = 16 or 8 bytes, zeros when !valid (src is then not read). By default 16-byte copies skip L1
+// (.cg: data read once) and 8-byte ones, which cannot, go through it (.ca: data reused by
+// neighbouring threads); kL1 = true sends a 16-byte copy through L1 as well.
+template <int N, bool kL1 = (N == 8)>
 __device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
   static_assert(N == 16 || N == 8, "copy_async moves 16 or 8 bytes");
+  static_assert(N == 16 || kL1, "8-byte copies always go through L1");
 #ifdef QK_HOST_EMU
   if (valid) std::memcpy(dst, src, N); else std::memset(dst, 0, N);
 #else
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  if constexpr (N == 16)
+  if constexpr (!kL1)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
   else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(valid ? 8 : 0) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N), "r"(valid ? N : 0)
+                 : "memory");
 #endif
 }
 

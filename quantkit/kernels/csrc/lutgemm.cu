@@ -1,6 +1,6 @@
 // LUT-GEMM for binary-coding quantized weights (LUT-GEMM §3.1-3.2 and appendix B; nuQmm §III.B-C).
 // Three kernels: lut_gemm_kernel (the LUT matvec, 1..8 columns of x), bcq_mma_kernel (the same
-// product on tensor cores, for 4..8 columns where shared memory bounds the LUT; see its section) and
+// product on tensor cores, for 5..8 columns, where shared memory bounds the LUT; see its section) and
 // dequant_kernel (BCQ -> dense weight, for large batches through cuBLAS).
 //
 // Computes y[b, r] = Σ_c w[r, c]·x[b, c] (+ bias[r]) for a BCQ weight (quantkit/formats/bcq.py)
@@ -85,6 +85,7 @@ inline MmaExchange mma_exchange[32];
 #define gridDim emu::gdim
 #define blockDim emu::bdim
 inline void __syncthreads() { emu::bar->arrive_and_wait(); }
+inline void __syncwarp() { emu::warp_bar->arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
   const uint64_t v = (uint64_t(hi) << 32) | lo;
@@ -643,24 +644,55 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
 }
 
 
-// ---- the tensor-core path for 4..8 columns of x ---------------------------------------------------
+// ---- the tensor-core path for small batches ------------------------------------------------------
 //
 // At 8 columns a LUT lookup moves 16 bytes of shared memory, which bounds the LUT kernel well above
-// the time to stream the weights. This kernel instead decodes the sign planes to ±1 fp16 in
-// registers (2 integer ops per pair of weights) and lets mma.sync.m16n8k16 multiply them with x
-// (batch = the n8 side), fp32 accumulation; α scales each plane's partial sums per group as above.
-// It needs whole 128-column chunks per group (group_size % 128 == 0, or one group per row).
+// the time to stream the weights. This kernel instead turns the sign planes into fp16 A fragments in
+// registers and lets mma.sync.m16n8k16 multiply them with x (batch = the n8 side), fp32
+// accumulation; α scales each plane's partial sums per group as above. It needs whole 128-column
+// chunks per group (group_size % 128 == 0, or one group per row).
 //
-// Warp = 32 rows as two 16-row mma tiles, lane (g = lane/4, t = lane%4) loads one word of rows
-// 4g..4g+3 (16 bytes, so a warp reads 4 full 128-byte lines of a chunk's 4 words). The k order of
-// the mma is ours to choose as long as A and B agree: in k-step κ (0..7) of a 128-column chunk,
-// thread t supplies k = 2t, 2t+1, 2t+8, 2t+9 as bits κ, κ+16, κ+8, κ+24 of word t of the chunk, so
-// a ±1 pair is `((~word << (15 − p)) & 0x80008000) | 0x3C003C00` (the two bits land on the fp16 sign
-// bits) and x's fragment holds the same columns. Tile τ maps mma rows g / g+8 to rows 4g+2τ / 4g+2τ+1.
-// A unit is 256 rows × 4 words; work is split over blocks as in the LUT kernel (stream-K by steps).
-constexpr int kMmaRowsPerWarp = 32;
-constexpr int kMmaTileRows = kWarps * kMmaRowsPerWarp;  // 256
+// Warp = 64 rows as four 16-row mma tiles: lane (g = lane/4, t = lane%4) loads one word of rows
+// 4g..4g+3 and of rows 32+4g..32+4g+3 (16 bytes each, so a warp reads 8 full 128-byte lines of a
+// chunk's 4 words). The k order of the mma is ours to choose as long as A and B agree: in k-step κ
+// (0..7) of a 128-column chunk, thread t supplies k = 2t, 2t+1, 2t+8, 2t+9 as bits κ, κ+16, κ+8,
+// κ+24 of word t of the chunk, and x's fragment holds the same columns. Tile τ maps mma rows g / g+8
+// to rows 32·(τ/2) + 4g + 2(τ%2) / the row after it.
+//
+// The decode is one AND per A register: `word & (1 << κ | 1 << (κ+16))` (and the same of word >> 8)
+// leaves in each half either 0 or the fp16 subnormal 2^(κ−24), i.e. bit·2^(κ−24). x's fragment of
+// k-step κ is pre-scaled by 2^−κ once per chunk (exact but for x below 2^−7, which loses at most
+// 2^−25 to subnormal rounding), so every product is bit·x·2^−24 and the 8 k-steps share one
+// accumulator: D = 2^−24·Σ bit·x. A sign ±1 = 2·bit − 1, so plane i adds α_i·2^25·D and the chunk
+// subtracts (Σ_i α_i)·Σx once (with the offset: adds (z − Σ_i α_i)·Σx); Σx comes from 8 mmas of an
+// all-ones A on x's fragments before they are scaled. The host emulation checks this algebra and
+// the layout; the device tests (fp32 reference) check that the tensor cores keep subnormal operands.
+// (Putting the bits on the fp16 sign bits instead costs a shift per pair: 50 % more instructions.)
+//
+// A step is a unit: 512 rows × one 128-column chunk with all its planes. What a warp does per chunk
+// besides the planes (copies' addresses, x fragments, Σx) is then shared by 64 rows and all planes:
+// ncu showed the kernel issue-bound, and at 32 rows per warp that share was ~45 % of the instructions.
+// Work is split over blocks as in the LUT kernel (stream-K by steps).
+constexpr int kMmaRowsPerWarp = 64;
+constexpr int kMmaTileRows = kWarps * kMmaRowsPerWarp;  // 512
 constexpr int kMmaChunkWords = 4;
+constexpr int kMmaMaxPlanes = 9;  // q ≤ 8 sign planes and the offset
+
+// Ring stages: S - 1 chunks in flight per lane. A stage holds per lane its x fragment (64 bytes) and
+// 2·q words (16 bytes each) and, per warp, the α / z quads of its 64 rows (each lane copies a quarter
+// of them; all read them after a __syncwarp): 43 KB at q = 3 for the block. 2 stages (one chunk in
+// flight while one is computed) measured as fast as 3 and 4 and leave room for 2 blocks per SM.
+#ifndef MMA_STAGES
+#define MMA_STAGES 2
+#endif
+static_assert(MMA_STAGES >= 2 && MMA_STAGES <= 8, "MMA_STAGES must be 2..8");
+constexpr int kMmaQuadsPerPlane = kMmaRowsPerWarp / 4;  // 4-row α quads of one warp and plane
+constexpr int kMmaXBytes = 64 * kThreads;  // per lane: x of its batch row over its word's 32 columns
+__host__ __device__ constexpr int mma_stage_bytes(int q, int planes) {
+  return kMmaXBytes + 32 * q * kThreads + 8 * planes * kMmaQuadsPerPlane * kWarps;
+}
+constexpr int kMmaMaxSmemBytes = MMA_STAGES * mma_stage_bytes(8, kMmaMaxPlanes);
+static_assert(kMmaMaxSmemBytes <= 227 * 1024, "the tensor-core ring must fit one SM's shared memory at q = 8");
 
 // d += a · b on the tensor cores: a 16×16 fp16 (4 regs), b 16×8 fp16 (2 regs), d 16×8 fp32.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -701,207 +733,246 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
-// ±1 fp16 pair from bits p and p+16 of a sign word (bit 1 = +1): the bits go to the two sign bits.
-__device__ __forceinline__ uint32_t decode_pair(uint32_t word, int p, const LutParams& prm) {
-  return (~(word * prm.pow2[15 - p]) & 0x80008000u) | 0x3C003C00u;  // the shift as IMAD: FMA pipe
-}
+// A-fragment pair of k-step κ from a sign word (or the word shifted right by 8): bits κ and κ+16 kept
+// in place, i.e. bit·2^(κ−24) as two fp16 subnormals.
+__device__ __forceinline__ uint32_t bit_pair(uint32_t word, int kk) { return word & (0x00010001u << kk); }
 
-struct MmaCursor {
-  int rt, c, i;
-};
-
-__device__ __forceinline__ void mma_advance(MmaCursor& cur, int planes, int n_ch) {
-  if (++cur.i < planes) return;
-  cur.i = 0;
-  if (++cur.c < n_ch) return;
-  cur.c = 0;
-  ++cur.rt;
-}
-
-// Start copying step `cur` for this lane into ring slot (w, a): word t of the chunk for rows
-// 4g..4g+3 (sign planes; 16 bytes) and the α (or z, in the offset plane) of those 4 rows.
-__device__ __forceinline__ void mma_issue_step(const LutParams& p, const MmaCursor& cur, int lane, int warp, uint4* w,
-                                               uint2* a) {
-  const int row0 = cur.rt * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * (lane >> 2);
-  const int wd = cur.c * kMmaChunkWords + (lane & 3);
-  const bool row_ok = row0 < p.k;
-  const size_t grp = word_group(cur.c * kMmaChunkWords, p.group_magic);  // one group per chunk
-  const int r = row_ok ? row0 : 0;
-  if (cur.i < p.q) {
-    const bool ok = row_ok && wd < p.W;
-    copy_async<16>(w, p.qw + (ok ? (size_t(cur.i) * p.W + wd) * p.k + r : 0), ok);
-    copy_async<8>(a, p.alpha + (row_ok ? (grp * p.q + cur.i) * p.k + r : 0), row_ok);
-  } else {
-    copy_async<8>(a, p.offset + (row_ok ? grp * p.k + r : 0), row_ok);
-  }
-}
-
-// x[g][32w .. 32w+31] for word w = 4c + t of the chunk, as 16 half2 (columns 2j, 2j+1); zero past d or nb.
-__device__ __forceinline__ void mma_load_x(const LutParams& p, int c, int lane, uint32_t (&u)[16]) {
-  const int n = lane >> 2;
-  const int col0 = 32 * (c * kMmaChunkWords + (lane & 3));
-#pragma unroll
-  for (int j = 0; j < 16; ++j) u[j] = 0;
-  if (n >= p.nb || col0 >= p.d) return;
-  const __half* src = p.x + size_t(n) * p.d + col0;
-  if (p.x_vec && col0 + 32 <= p.d) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
+// x·2^−κ for both halves of a B-fragment register (see above).
+__device__ __forceinline__ uint32_t scale_half2(uint32_t bits, int kk) {
+  const float s = 1.f / float(1 << kk);
 #ifdef LUTGEMM_HOST_EMU
-      const uint4 q4 = *reinterpret_cast<const uint4*>(src + 8 * v);
+  const float2 f = half2_bits_to_float2(bits);
+  return float2_to_half2_bits(f.x * s, f.y * s);
 #else
-      const uint4 q4 = __ldg(reinterpret_cast<const uint4*>(src + 8 * v));
+  const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(s));
+  return *reinterpret_cast<const uint32_t*>(&h);
 #endif
-      u[4 * v] = q4.x, u[4 * v + 1] = q4.y, u[4 * v + 2] = q4.z, u[4 * v + 3] = q4.w;
-    }
-  } else {
+}
+
+// Start copying unit (rt, c) for this lane into a ring stage: its x fragment (batch row g, the 32
+// columns of word t of the chunk), word t of the chunk for its rows 4g..4g+3 and 32+4g..32+4g+3 of
+// every sign plane (16 bytes each; [plane][lane][half] per warp), and its quarter of the warp's α / z
+// quads: quad j = 2·plane + half of group g ([plane][half][g]), for j ≡ t (mod 4).
+// 32-bit element offsets: the host checks q·W·k and G·q·k < 2^31.
+__device__ __forceinline__ void mma_issue_unit(const LutParams& p, int rt, int c, int lane, int warp,
+                                               unsigned char* stage) {
+  const uint32_t k = uint32_t(p.k), q = uint32_t(p.q), g = lane >> 2, t = lane & 3;
+  const uint32_t r0 = uint32_t(rt) * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * g;
+  const uint32_t wd = uint32_t(c) * kMmaChunkWords + t;
+  const bool word_ok = wd < uint32_t(p.W);
+  {  // x: through L1, as the block's 8 warps read the same 2 KB
+    uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
+    const int col0 = 32 * int(wd);
+    const bool inside = int(g) < p.nb && col0 < p.d;
+    if (!inside || (p.x_vec && col0 + 32 <= p.d)) {
+      const __half* src = p.x + (inside ? size_t(g) * p.d + col0 : 0);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float lo = col0 + 2 * j < p.d ? __half2float(load_half(src + 2 * j)) : 0.f;
-      const float hi = col0 + 2 * j + 1 < p.d ? __half2float(load_half(src + 2 * j + 1)) : 0.f;
-      u[j] = float2_to_half2_bits(lo, hi);
+      for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, src + 8 * v, inside);
+    } else {  // the row's last, partial word (or x not 16-byte aligned): plain loads, plain stores
+      const __half* src = p.x + size_t(g) * p.d + col0;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float lo = col0 + 2 * j < p.d ? __half2float(load_half(src + 2 * j)) : 0.f;
+        const float hi = col0 + 2 * j + 1 < p.d ? __half2float(load_half(src + 2 * j + 1)) : 0.f;
+        dst[j] = float2_to_half2_bits(lo, hi);
+      }
     }
+  }
+  const uint32_t grp = word_group(c * kMmaChunkWords, p.group_magic);  // one group per chunk
+  const uint32_t wstride = uint32_t(p.W) * k;
+  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + 2 * lane;
+  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane + g;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t r = r0 + 32 * h;
+    const bool ok = word_ok && r < k;
+    const uint32_t woff = ok ? wd * k + r : 0u, step = ok ? wstride : 0u;
+#pragma unroll 1
+    for (uint32_t i = 0; i < q; ++i) copy_async<16>(w + i * 64 + h, p.qw + woff + i * step, ok);
+  }
+  for (uint32_t j = t; j < 2u * uint32_t(p.planes); j += 4) {
+    const uint32_t i = j >> 1, r = r0 + 32 * (j & 1);
+    const bool ok = r < k;
+    const __half* src = i < q ? p.alpha + (ok ? (grp * q + i) * k + r : 0u) : p.offset + (ok ? grp * k + r : 0u);
+    copy_async<8>(a + j * 8, src, ok);
   }
 }
 
-// B fragments of the 8 k-steps: b[κ] = (x at bits κ, κ+16), b[8+κ] = (x at bits κ+8, κ+24) of word t.
-__device__ __forceinline__ void mma_pack_x(const uint32_t (&u)[16], uint32_t (&b)[16]) {
+// B fragments of the 8 k-steps: b[κ] = (x at bits κ, κ+16), b[8+κ] = (x at bits κ+8, κ+24) of word t,
+// times 2^−κ; and Σx of the chunk per batch column (sums[0], sums[1]: columns 2t, 2t+1), from mmas
+// of an all-ones A on the fragments before they are scaled.
+__device__ __forceinline__ void mma_pack_x(const uint32_t (&u)[16], uint32_t (&b)[16], float (&sums)[4]) {
+  const uint32_t ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const unsigned sel = kk & 1 ? 0x7632u : 0x5410u;  // high or low halves of the two words
-    b[kk] = __byte_perm(u[kk >> 1], u[(kk >> 1) + 8], sel);
-    b[8 + kk] = __byte_perm(u[(kk + 8) >> 1], u[((kk + 8) >> 1) + 8], sel);
+    const uint32_t lo = __byte_perm(u[kk >> 1], u[(kk >> 1) + 8], sel);
+    const uint32_t hi = __byte_perm(u[(kk + 8) >> 1], u[((kk + 8) >> 1) + 8], sel);
+    mma_16816(sums, ones, lo, hi);
+    b[kk] = scale_half2(lo, kk);
+    b[8 + kk] = scale_half2(hi, kk);
   }
 }
 
-// Ring stages of the tensor-core kernel: a step is one 16-byte word per lane and compute per step
-// is short, so it needs more steps in flight than the LUT kernel (6 stages = 36 KB).
-#ifndef MMA_STAGES
-#define MMA_STAGES 6
+// grid: min(steps, SMs × resident blocks); block: kThreads; dynamic shared memory
+// MMA_STAGES · mma_stage_bytes(q, planes); p from make_mma_params (ws, counters zero, left zero).
+// Resident blocks per SM the register allocation must allow (the ring allows 2 up to q = 4).
+#ifndef MMA_MIN_BLOCKS
+#define MMA_MIN_BLOCKS 2
 #endif
-static_assert(MMA_STAGES >= 2 && MMA_STAGES <= 8, "MMA_STAGES must be 2..8");
-
-// grid: min(steps, SMs × resident blocks); block: kThreads; p from make_mma_params (ws, counters zero).
-__global__ void __launch_bounds__(kThreads, 2) bcq_mma_kernel(const LutParams p) {
+__global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const LutParams p) {
   constexpr int S = MMA_STAGES;
-  __shared__ __align__(16) uint4 ring_w[S * kThreads];
-  __shared__ __align__(16) uint2 ring_a[S * kThreads];
+#ifdef LUTGEMM_HOST_EMU
+  alignas(16) static unsigned char smem[kMmaMaxSmemBytes];
+#else
+  extern __shared__ __align__(16) unsigned char smem[];
+#endif
   __shared__ int s_last;
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int planes = p.planes;
+  const int q = p.q, planes = p.planes, stage_bytes = mma_stage_bytes(q, planes);
   long long remaining = s1 - s0, to_issue = s1 - s0;
-  const long long unit = s0 / planes;
-  MmaCursor ld{int(unit / p.n_ch), int(unit % p.n_ch), int(s0 % planes)};
-  MmaCursor cur = ld;
-  bool first = true;
+  int ld_rt = int(s0 / p.n_ch), ld_c = int(s0 % p.n_ch);  // the next unit to copy
+  int rt = ld_rt, c = ld_c;                               // the unit being computed
   int seg_steps = 0;
-  float acc[4][2];
+  float acc[8][2];  // rows 4g + r (r < 4) and 32 + 4g + r - 4, batch columns 2t, 2t + 1
 #pragma unroll
-  for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = 0.f;
-  uint32_t xnext[16], bx[16];
-  mma_load_x(p, cur.c, lane, xnext);
-  MmaCursor xcur = cur;  // the unit whose x is in xnext
-  mma_advance(xcur, planes, p.n_ch);
-  // weights run S - 1 steps ahead through the ring, x one step ahead in registers
+  for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = 0.f;
+  uint32_t bx[16];
+  // x and weights run S - 1 units ahead through the ring
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (to_issue > 0) {
-      mma_issue_step(p, ld, lane, warp, ring_w + s * kThreads + tid, ring_a + s * kThreads + tid);
-      mma_advance(ld, planes, p.n_ch);
+      mma_issue_unit(p, ld_rt, ld_c, lane, warp, smem + s * stage_bytes);
+      if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
       --to_issue;
     }
     commit_async();
   }
 
   for (int slot = 0; remaining > 0; slot = slot + 1 == S ? 0 : slot + 1) {
-    wait_async<S - 2>();  // this step's group has landed
-    const uint4 wv = ring_w[slot * kThreads + tid];
-    const uint2 av = ring_a[slot * kThreads + tid];
-    if (to_issue > 0) {  // refill the slot the previous step read
-      const int fill = slot == 0 ? S - 1 : slot - 1;
-      mma_issue_step(p, ld, lane, warp, ring_w + fill * kThreads + tid, ring_a + fill * kThreads + tid);
-      mma_advance(ld, planes, p.n_ch);
+    wait_async<S - 2>();  // this lane's copies of the unit have landed,
+    __syncwarp();         // and the other lanes' (α quads are shared); the previous stage is consumed
+    if (to_issue > 0) {   // refill the stage the previous unit read
+      mma_issue_unit(p, ld_rt, ld_c, lane, warp, smem + (slot == 0 ? S - 1 : slot - 1) * stage_bytes);
+      if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
       --to_issue;
     }
     commit_async();
-    if (cur.i == 0 || first) {
-      mma_pack_x(xnext, bx);
-      first = false;
-    }
-    if (remaining > 1 && xcur.i == 0) mma_load_x(p, xcur.c, lane, xnext);  // the next step opens a unit
-    mma_advance(xcur, planes, p.n_ch);
-    const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-    const float2 a01 = half2_bits_to_float2(av.x), a23 = half2_bits_to_float2(av.y);
-    const float scale[4] = {a01.x, a01.y, a23.x, a23.y};
-    if (cur.i < p.q) {
+    const unsigned char* st = smem + slot * stage_bytes;
+    float sx0, sx1;  // Σx of the chunk for batch columns 2t, 2t + 1
+    {
+      const uint4* xs = reinterpret_cast<const uint4*>(st) + 4 * tid;
+      uint32_t u[16];
 #pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
+      for (int v = 0; v < 4; ++v) {
+        const uint4 x4 = xs[v];
+        u[4 * v] = x4.x, u[4 * v + 1] = x4.y, u[4 * v + 2] = x4.z, u[4 * v + 3] = x4.w;
+      }
+      float sums[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_pack_x(u, bx, sums);
+      sx0 = sums[0], sx1 = sums[1];
+    }
+    float alpha_sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const uint4* ring_w = reinterpret_cast<const uint4*>(st + kMmaXBytes) + warp * 64 * q + 2 * lane;
+    const uint2* ring_a =
+        reinterpret_cast<const uint2*>(st + kMmaXBytes + 32 * q * kThreads) + warp * planes * kMmaQuadsPerPlane + (lane >> 2);
+#pragma unroll 1
+    for (int i = 0; i < q; ++i) {
+      const uint4 wa = ring_w[i * 64], wb = ring_w[i * 64 + 1];
+      const uint2 qa = ring_a[2 * i * 8], qb = ring_a[(2 * i + 1) * 8];
+      const uint32_t words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+      const float2 a0 = half2_bits_to_float2(qa.x), a1 = half2_bits_to_float2(qa.y);
+      const float2 a2 = half2_bits_to_float2(qb.x), a3 = half2_bits_to_float2(qb.y);
+      const float alpha[8] = {a0.x, a0.y, a1.x, a1.y, a2.x, a2.y, a3.x, a3.y};
+#pragma unroll
+      for (int r = 0; r < 8; ++r) alpha_sum[r] += alpha[r];
+#pragma unroll
+      for (int tile = 0; tile < 4; ++tile) {
+        const uint32_t lo = words[2 * tile], hi = words[2 * tile + 1];  // mma rows g and g + 8
+        const uint32_t lo8 = lo >> 8, hi8 = hi >> 8;
         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-          const uint32_t a[4] = {decode_pair(words[2 * tile], kk, p), decode_pair(words[2 * tile + 1], kk, p),
-                                 decode_pair(words[2 * tile], kk + 8, p), decode_pair(words[2 * tile + 1], kk + 8, p)};
+          const uint32_t a[4] = {bit_pair(lo, kk), bit_pair(hi, kk), bit_pair(lo8, kk), bit_pair(hi8, kk)};
           mma_16816(part, a, bx[kk], bx[8 + kk]);
         }
-        acc[2 * tile][0] = fmaf(scale[2 * tile], part[0], acc[2 * tile][0]);
-        acc[2 * tile][1] = fmaf(scale[2 * tile], part[1], acc[2 * tile][1]);
-        acc[2 * tile + 1][0] = fmaf(scale[2 * tile + 1], part[2], acc[2 * tile + 1][0]);
-        acc[2 * tile + 1][1] = fmaf(scale[2 * tile + 1], part[3], acc[2 * tile + 1][1]);
+        const float sa = alpha[2 * tile] * 33554432.f, sb = alpha[2 * tile + 1] * 33554432.f;  // α·2^25
+        acc[2 * tile][0] = fmaf(sa, part[0], acc[2 * tile][0]);
+        acc[2 * tile][1] = fmaf(sa, part[1], acc[2 * tile][1]);
+        acc[2 * tile + 1][0] = fmaf(sb, part[2], acc[2 * tile + 1][0]);
+        acc[2 * tile + 1][1] = fmaf(sb, part[3], acc[2 * tile + 1][1]);
       }
-    } else {  // offset plane: all-ones A gives Σ_chunk x per batch column, the same for every row
-      float sums[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+    }
+    {  // (z − Σα)·Σx: the −1 half of every sign, and the offset
+      float corr[8];
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) mma_16816(sums, ones, bx[kk], bx[8 + kk]);
+      for (int r = 0; r < 8; ++r) corr[r] = -alpha_sum[r];
+      if (planes > q) {
+        const uint2 za = ring_a[2 * q * 8], zb = ring_a[(2 * q + 1) * 8];
+        const float2 z0 = half2_bits_to_float2(za.x), z1 = half2_bits_to_float2(za.y);
+        const float2 z2 = half2_bits_to_float2(zb.x), z3 = half2_bits_to_float2(zb.y);
+        corr[0] += z0.x, corr[1] += z0.y, corr[2] += z1.x, corr[3] += z1.y;
+        corr[4] += z2.x, corr[5] += z2.y, corr[6] += z3.x, corr[7] += z3.y;
+      }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        acc[r][0] = fmaf(scale[r], sums[0], acc[r][0]);
-        acc[r][1] = fmaf(scale[r], sums[1], acc[r][1]);
+      for (int r = 0; r < 8; ++r) {
+        acc[r][0] = fmaf(corr[r], sx0, acc[r][0]);
+        acc[r][1] = fmaf(corr[r], sx1, acc[r][1]);
       }
     }
     ++seg_steps;
-    if ((cur.c == p.n_ch - 1 && cur.i == planes - 1) || remaining == 1) {  // leave row tile: as the LUT kernel
-      const int row0 = cur.rt * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * (lane >> 2);
+    if (c == p.n_ch - 1 || remaining == 1) {  // leave row tile rt: as the LUT kernel
+      const int row0 = rt * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * (lane >> 2);
       const int n0 = 2 * (lane & 3);
-      if (row0 < p.k) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row0 + 32 * h >= p.k) continue;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
-          if (n0 + j < p.nb) atomic_add4(p.ws + size_t(n0 + j) * p.k + row0, acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+          if (n0 + j < p.nb)
+            atomic_add4(p.ws + size_t(n0 + j) * p.k + row0 + 32 * h, acc[4 * h][j], acc[4 * h + 1][j],
+                        acc[4 * h + 2][j], acc[4 * h + 3][j]);
       }
       __threadfence();
       __syncthreads();
       if (tid == 0) {
-        s_last = atomicAdd(p.counters + cur.rt, seg_steps) + seg_steps == p.n_ch * planes;
-        if (s_last) p.counters[cur.rt] = 0;
+        s_last = atomicAdd(p.counters + rt, seg_steps) + seg_steps == p.n_ch;
+        if (s_last) p.counters[rt] = 0;
       }
       __syncthreads();
-      if (s_last && row0 < p.k) {
+      if (s_last) {
         __threadfence();
-        float bias[4] = {0.f, 0.f, 0.f, 0.f};
-        if (p.bias != nullptr) {
-          const uint2 bb = load_half4(p.bias + row0);
-          const float2 b01 = half2_bits_to_float2(bb.x), b23 = half2_bits_to_float2(bb.y);
-          bias[0] = b01.x, bias[1] = b01.y, bias[2] = b23.x, bias[3] = b23.y;
-        }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          if (n0 + j >= p.nb) continue;
-          const float4 v = load_l2(p.ws + size_t(n0 + j) * p.k + row0);
-          *reinterpret_cast<float4*>(p.ws + size_t(n0 + j) * p.k + row0) = make_float4(0.f, 0.f, 0.f, 0.f);
-          uint2 out;
-          out.x = float2_to_half2_bits(v.x + bias[0], v.y + bias[1]);
-          out.y = float2_to_half2_bits(v.z + bias[2], v.w + bias[3]);
-          *reinterpret_cast<uint2*>(p.y + size_t(n0 + j) * p.k + row0) = out;
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 32 * h;
+          if (row >= p.k) continue;
+          float bias[4] = {0.f, 0.f, 0.f, 0.f};
+          if (p.bias != nullptr) {
+            const uint2 bb = load_half4(p.bias + row);
+            const float2 b01 = half2_bits_to_float2(bb.x), b23 = half2_bits_to_float2(bb.y);
+            bias[0] = b01.x, bias[1] = b01.y, bias[2] = b23.x, bias[3] = b23.y;
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (n0 + j >= p.nb) continue;
+            const float4 v = load_l2(p.ws + size_t(n0 + j) * p.k + row);
+            *reinterpret_cast<float4*>(p.ws + size_t(n0 + j) * p.k + row) = make_float4(0.f, 0.f, 0.f, 0.f);
+            uint2 out;
+            out.x = float2_to_half2_bits(v.x + bias[0], v.y + bias[1]);
+            out.y = float2_to_half2_bits(v.z + bias[2], v.w + bias[3]);
+            *reinterpret_cast<uint2*>(p.y + size_t(n0 + j) * p.k + row) = out;
+          }
         }
       }
       seg_steps = 0;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = 0.f;
+      for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = 0.f;
     }
-    mma_advance(cur, planes, p.n_ch);
+    if (++c == p.n_ch) c = 0, ++rt;
     --remaining;
   }
   wait_async<0>();  // no copy may outlive the block (only empty groups remain here)
@@ -1028,7 +1099,7 @@ inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t*
 inline LutParams make_mma_params(LutParams p) {  // from make_lut_params: re-tile for bcq_mma_kernel
   p.n_rt = (p.k + kMmaTileRows - 1) / kMmaTileRows;
   p.n_ch = (p.W + kMmaChunkWords - 1) / kMmaChunkWords;
-  p.steps = (long long)p.n_rt * p.n_ch * p.planes;
+  p.steps = (long long)p.n_rt * p.n_ch;  // a step is a whole chunk, all planes
   return p;
 }
 
@@ -1074,21 +1145,39 @@ int lut_resident_blocks() {
   return n;
 }
 
-// Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel), asked once per process
-// (one GPU model assumed).
-int resident_blocks(int bp) {
-  static int cached[5] = {0, 0, 0, 0, 0};
-  const int idx = bp == 0 ? 4 : bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3;
-  if (cached[idx] == 0) {
+// The tensor-core kernel, its dynamic shared memory (the ring; it depends on q) allowed once per process.
+auto mma_kernel() {
+  static const bool ready = [] {
+    cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         lutgemm::kMmaMaxSmemBytes);
+    // all of L1 as shared memory: the driver's default keeps more L1 than the resident rings leave
+    cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    return true;
+  }();
+  (void)ready;
+  return lutgemm::bcq_mma_kernel;
+}
+
+inline int mma_smem_bytes(const lutgemm::LutParams& p) { return MMA_STAGES * lutgemm::mma_stage_bytes(p.q, p.planes); }
+
+// Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel, whose ring grows with the
+// planes), asked once per process (one GPU model assumed).
+int resident_blocks(int bp, int planes = 0, int q = 0) {
+  static int cached[4] = {0, 0, 0, 0};
+  static int cached_mma[lutgemm::kMmaMaxPlanes + 1][9] = {};
+  int& slot = bp == 0 ? cached_mma[planes][q] : cached[bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3];
+  if (slot == 0) {
     int n = 0;
-    if (bp == 0) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lutgemm::bcq_mma_kernel, lutgemm::kThreads, 0);
-    else if (bp == 1) n = lut_resident_blocks<1>();
+    if (bp == 0) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(), lutgemm::kThreads,
+                                                    MMA_STAGES * lutgemm::mma_stage_bytes(q, planes));
+    } else if (bp == 1) n = lut_resident_blocks<1>();
     else if (bp == 2) n = lut_resident_blocks<2>();
     else if (bp == 4) n = lut_resident_blocks<4>();
     else n = lut_resident_blocks<8>();
-    cached[idx] = n > 0 ? n : 1;
+    slot = n > 0 ? n : 1;
   }
-  return cached[idx];
+  return slot;
 }
 }  // namespace
 
@@ -1125,7 +1214,8 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     const int bp = padded_batch(nb);
     if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
-      bcq_mma_kernel<<<lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0)), kThreads, 0, stream>>>(pm);
+      const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
+      mma_kernel()<<<grid, kThreads, mma_smem_bytes(pm), stream>>>(pm);
       err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       continue;

@@ -31,6 +31,8 @@ from quantkit.runtime.quant_linear import QuantLinear
 
 
 def _rms_norm(hidden, weight, eps):
+    # LlamaRMSNorm.forward's expression (fuse_pointwise checks that source) over tensors rather than the
+    # module: compiling the method itself would guard on each instance and recompile per layer
     dtype = hidden.dtype
     h = hidden.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -39,11 +41,6 @@ def _rms_norm(hidden, weight, eps):
 
 def _silu_mul(gate, up):
     return F.silu(gate) * up
-
-
-def _silu_mul_halves(gate_up):
-    half = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
 @functools.cache
@@ -59,10 +56,8 @@ def _fused_rms_forward(self, hidden_states):
 
 
 def _fused_mlp_forward(self, x):
-    gate, up = self.gate_proj, self.up_proj
-    if isinstance(gate, _Slice) and getattr(up, "stacked", None) is gate.stacked and gate.out_features == up.out_features:
-        return self.down_proj(_compiled(_silu_mul_halves)(gate.stacked(x)))  # fuse_projections' [gate | up]
-    return self.down_proj(_compiled(_silu_mul)(gate(x), up(x)))
+    # after fuse_projections gate and up are _Slices: two views of one stacked output
+    return self.down_proj(_compiled(_silu_mul)(self.gate_proj(x), self.up_proj(x)))
 
 
 @functools.cache
@@ -198,11 +193,11 @@ def _stack(mods):
     bias = torch.cat([m.bias for m in mods]) if all(with_bias) else None
     if all(type(m) is torch.nn.Linear for m in mods):
         w = mods[0].weight
-        stacked = torch.nn.Linear(w.shape[1], sum(m.out_features for m in mods), bias=bias is not None,
-                                  device=w.device, dtype=w.dtype).requires_grad_(False)
-        stacked.weight.copy_(torch.cat([m.weight for m in mods]))
+        # built on the meta device (no init of weights about to be replaced), then given the stacked tensors
+        stacked = torch.nn.Linear(w.shape[1], sum(m.out_features for m in mods), bias=bias is not None, device="meta")
+        stacked.weight = torch.nn.Parameter(torch.cat([m.weight for m in mods]), requires_grad=False)
         if bias is not None:
-            stacked.bias.copy_(bias)
+            stacked.bias = torch.nn.Parameter(bias, requires_grad=False)
         return stacked
     if all(isinstance(m, QuantLinear) for m in mods) and len({m.bits for m in mods}) == 1:
         qt = _stack_quantized(mods)

@@ -681,7 +681,7 @@ constexpr int kMmaMaxPlanes = 9;  // q ≤ 8 sign planes and the offset
 // Ring stages: S - 1 chunks in flight per lane. A stage holds per lane its x fragment (64 bytes) and
 // 2·q words (16 bytes each) and, per warp, the α / z quads of its 64 rows (each lane copies a quarter
 // of them; all read them after a __syncwarp): 43 KB at q = 3 for the block. 2 stages (one chunk in
-// flight while one is computed) measured as fast as 3 and 4 and leave room for 2 blocks per SM.
+// flight while one is computed) measured as fast as 3, and leave room for 2 blocks per SM up to q = 4.
 #ifndef MMA_STAGES
 #define MMA_STAGES 2
 #endif
@@ -1150,7 +1150,7 @@ auto mma_kernel() {
   static const bool ready = [] {
     cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          lutgemm::kMmaMaxSmemBytes);
-    // all of L1 as shared memory: the driver's default keeps more L1 than the resident rings leave
+    // all of L1 as shared memory, so the blocks the occupancy query counts fit (as in anyprec.cu)
     cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     return true;
   }();

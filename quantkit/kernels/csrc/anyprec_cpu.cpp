@@ -289,22 +289,20 @@ struct Row {
 // ---------------------------------------------------------------- scans: first argmin over a run of candidates
 
 #if AP_AVX2
-// S(i, j) for the four i = i0..i0+3 and one j (whose prefix sums are broadcast in pj0..pj2), lane by lane
-// the same operations as Row::S
-AP_INLINE __m256d S4_to(const Row& row, int i0, __m256d pj0, __m256d pj1, __m256d pj2) {
-  const __m256d sw = _mm256_sub_pd(pj0, _mm256_loadu_pd(row.P0 + i0));
-  const __m256d s1 = _mm256_sub_pd(pj1, _mm256_loadu_pd(row.P1 + i0));
-  const __m256d d2 = _mm256_sub_pd(pj2, _mm256_loadu_pd(row.P2 + i0));
+// Row::S lane by lane, from the differences of the three prefix sums (weight, first and second moment)
+AP_INLINE __m256d S4_of(__m256d sw, __m256d s1, __m256d d2) {
   const __m256d den = _mm256_blendv_pd(_mm256_set1_pd(1.0), sw, _mm256_cmp_pd(sw, _mm256_setzero_pd(), _CMP_GT_OQ));
   return _mm256_sub_pd(d2, _mm256_div_pd(_mm256_mul_pd(s1, s1), den));
 }
+// S(i, j) for the four i = i0..i0+3 and one j (whose prefix sums are broadcast in pj0..pj2)
+AP_INLINE __m256d S4_to(const Row& row, int i0, __m256d pj0, __m256d pj1, __m256d pj2) {
+  return S4_of(_mm256_sub_pd(pj0, _mm256_loadu_pd(row.P0 + i0)), _mm256_sub_pd(pj1, _mm256_loadu_pd(row.P1 + i0)),
+               _mm256_sub_pd(pj2, _mm256_loadu_pd(row.P2 + i0)));
+}
 // S(i, j) for one i (broadcast in pi0..pi2) and the four j = j0..j0+3
 AP_INLINE __m256d S4_from(const Row& row, __m256d pi0, __m256d pi1, __m256d pi2, int j0) {
-  const __m256d sw = _mm256_sub_pd(_mm256_loadu_pd(row.P0 + j0), pi0);
-  const __m256d s1 = _mm256_sub_pd(_mm256_loadu_pd(row.P1 + j0), pi1);
-  const __m256d d2 = _mm256_sub_pd(_mm256_loadu_pd(row.P2 + j0), pi2);
-  const __m256d den = _mm256_blendv_pd(_mm256_set1_pd(1.0), sw, _mm256_cmp_pd(sw, _mm256_setzero_pd(), _CMP_GT_OQ));
-  return _mm256_sub_pd(d2, _mm256_div_pd(_mm256_mul_pd(s1, s1), den));
+  return S4_of(_mm256_sub_pd(_mm256_loadu_pd(row.P0 + j0), pi0), _mm256_sub_pd(_mm256_loadu_pd(row.P1 + j0), pi1),
+               _mm256_sub_pd(_mm256_loadu_pd(row.P2 + j0), pi2));
 }
 AP_INLINE __m256d bcast(const double* p) { return _mm256_broadcast_sd(p); }
 AP_INLINE __m256d hmin(__m256d v) {
@@ -634,6 +632,17 @@ double kmeans_upper(const Row& row, int K, Scratch& sc) {
   return best * (1 + 1e-9) + 1e-12 * std::fabs(row.P2[m]) + 1e-300;
 }
 
+// cuts[0..K] of the K-run optimum from layer K-1's F (searched from `lo`; the last layer needs only
+// j = m) and the argmins dp_layer kept per layer in sc.ia.
+void backtrack(const Row& row, const double* F, int lo, const int* prev, const Scratch& sc, int K, int* cuts) {
+  const int m = row.m;
+  cuts[0] = 0;
+  cuts[K] = m;
+  double value;
+  cuts[K - 1] = argmin_F_plus_S(row, F, std::max(prev ? prev[m] : 0, lo), m, m, &value);
+  for (int k = K - 1; k >= 2; --k) cuts[k - 1] = sc.ia[static_cast<size_t>(k) * (m + 1) + cuts[k]];
+}
+
 // Optimal K runs of the row: cuts[0..K]. F_1(j) = S(0, j); F_k(j) = min_{i<=j} F_{k-1}(i) + S(i, j).
 // With one cluster more the last cluster of [0, j) starts no earlier, opt_k(j) >= opt_{k-1}(j)
 // (Knuth-type bound), which narrows every row's search further. Layers are pruned by an upper bound on the
@@ -660,13 +669,11 @@ void kmeans_dp(const Row& row, int K, Scratch& sc, int* cuts, bool keep = false)
     prev = arg;
     std::swap(F, G);
   }
-  // last layer: only j = m is needed
-  cuts[0] = 0;
-  cuts[K] = m;
   if (K > 1) {
-    double value;
-    cuts[K - 1] = argmin_F_plus_S(row, F, std::max(prev ? prev[m] : 0, 0), m, m, &value);
-    for (int k = K - 1; k >= 2; --k) cuts[k - 1] = sc.ia[static_cast<size_t>(k) * (m + 1) + cuts[k]];
+    backtrack(row, F, 0, prev, sc, K, cuts);
+  } else {
+    cuts[0] = 0;
+    cuts[K] = m;
   }
   sc.dp_F = F;  // layer K-1, for kmeans_dp_more
   sc.dp_G = G;
@@ -688,11 +695,7 @@ void kmeans_dp_more(const Row& row, int K, const int* cuts, double U2, Scratch& 
     Lf = L;
     std::swap(F, G);
   }
-  cuts2[0] = 0;
-  cuts2[K2] = m;
-  double value;
-  cuts2[K2 - 1] = argmin_F_plus_S(row, F, std::max(prev ? prev[m] : 0, Lf), m, m, &value);
-  for (int k = K2 - 1; k >= 2; --k) cuts2[k - 1] = sc.ia[static_cast<size_t>(k) * (m + 1) + cuts2[k]];
+  backtrack(row, F, Lf, prev, sc, K2, cuts2);
 }
 
 // ---------------------------------------------------------------- split
@@ -860,21 +863,16 @@ void run_B(const Row& row, int lo, int hi, const double* SL, const double* SR, d
 // points from the previous end's argmin on (a lower bound for all four, as the argmin is non-decreasing in
 // x): every lane's candidates contain its first argmin, so the result is run_B's. No reductions across lanes.
 void run_BL4(const Row& row, int lo, int hi, const double* SL, double* BL, int* AL) {
-  const __m256d inf = _mm256_set1_pd(kInf), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  const __m256d inf = _mm256_set1_pd(kInf);
   int cL = lo;
   for (int x0 = lo; x0 <= hi; x0 += 4) {
     const __m256d xv = _mm256_add_pd(_mm256_set1_pd(x0), _mm256_set_pd(3, 2, 1, 0));
-    const __m256d px0 = _mm256_loadu_pd(row.P0 + x0), px1 = _mm256_loadu_pd(row.P1 + x0),
-                  px2 = _mm256_loadu_pd(row.P2 + x0);
     __m256d best = inf, bidx = _mm256_set1_pd(cL);
     const int cH = std::min(x0 + 3, hi);
     for (int c = cL; c <= cH; ++c) {
       const __m256d cv = _mm256_set1_pd(c);
-      const __m256d sw = _mm256_sub_pd(px0, bcast(row.P0 + c));
-      const __m256d s1 = _mm256_sub_pd(px1, bcast(row.P1 + c));
-      const __m256d d2 = _mm256_sub_pd(px2, bcast(row.P2 + c));
-      const __m256d den = _mm256_blendv_pd(one, sw, _mm256_cmp_pd(sw, zero, _CMP_GT_OQ));
-      __m256d v = _mm256_add_pd(bcast(SL + (c - lo)), _mm256_sub_pd(d2, _mm256_div_pd(_mm256_mul_pd(s1, s1), den)));
+      const __m256d S = S4_from(row, bcast(row.P0 + c), bcast(row.P1 + c), bcast(row.P2 + c), x0);
+      __m256d v = _mm256_add_pd(bcast(SL + (c - lo)), S);
       v = _mm256_blendv_pd(v, inf, _mm256_cmp_pd(cv, xv, _CMP_GT_OQ));  // split point past the end
       bidx = _mm256_blendv_pd(bidx, cv, _mm256_cmp_pd(v, best, _CMP_LT_OQ));
       best = _mm256_min_pd(v, best);
@@ -888,21 +886,16 @@ void run_BL4(const Row& row, int lo, int hi, const double* SL, double* BL, int* 
 // BR over x = hi..lo in blocks of four from the right, each block scanning up to the argmin of the end just
 // right of it (an upper bound for all four)
 void run_BR4(const Row& row, int lo, int hi, const double* SR, double* BR, int* AR) {
-  const __m256d inf = _mm256_set1_pd(kInf), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  const __m256d inf = _mm256_set1_pd(kInf);
   int cU = hi, xe = hi + 1;
   while (xe > lo) {
     const int xs = std::max(lo, xe - 4);
     const __m256d xv = _mm256_add_pd(_mm256_set1_pd(xs), _mm256_set_pd(3, 2, 1, 0));
-    const __m256d px0 = _mm256_loadu_pd(row.P0 + xs), px1 = _mm256_loadu_pd(row.P1 + xs),
-                  px2 = _mm256_loadu_pd(row.P2 + xs);
     __m256d best = inf, bidx = _mm256_set1_pd(cU);
     for (int c = xs; c <= cU; ++c) {
       const __m256d cv = _mm256_set1_pd(c);
-      const __m256d sw = _mm256_sub_pd(bcast(row.P0 + c), px0);
-      const __m256d s1 = _mm256_sub_pd(bcast(row.P1 + c), px1);
-      const __m256d d2 = _mm256_sub_pd(bcast(row.P2 + c), px2);
-      const __m256d den = _mm256_blendv_pd(one, sw, _mm256_cmp_pd(sw, zero, _CMP_GT_OQ));
-      __m256d v = _mm256_add_pd(_mm256_sub_pd(d2, _mm256_div_pd(_mm256_mul_pd(s1, s1), den)), bcast(SR + (c - lo)));
+      const __m256d S = S4_to(row, xs, bcast(row.P0 + c), bcast(row.P1 + c), bcast(row.P2 + c));
+      __m256d v = _mm256_add_pd(S, bcast(SR + (c - lo)));
       v = _mm256_blendv_pd(v, inf, _mm256_cmp_pd(cv, xv, _CMP_LT_OQ));  // split point before the start
       bidx = _mm256_blendv_pd(bidx, cv, _mm256_cmp_pd(v, best, _CMP_LT_OQ));
       best = _mm256_min_pd(v, best);

@@ -297,6 +297,14 @@ def test_degenerate_rows_and_bad_input():
         kn.native_anyprec(x, w, 2, 4, "joint", level_weights=[1.0, 0.0, 1.0])
     with pytest.raises(QuantkitError, match="upscale"):
         make_method("anyprec", upscale="greedy")
+    # the extension's two entry points check their inputs alike (the Python wrappers normally shape them)
+    entry_points = {"kmeans_exact": lambda W, sens: EXT.kmeans_exact(W, sens, 2, 1, "auto"),
+                    "anyprec_cpu": lambda W, sens: EXT.quantize(W, sens, 2, 4, False, [], 0, -1.0, 1, "auto")}
+    for name, call in entry_points.items():
+        with pytest.raises(RuntimeError, match=f"{name}: sensitivity must be"):
+            call(x, torch.cat([w, w]))  # 2n values: neither [n] nor [R, n]
+        with pytest.raises(RuntimeError, match=f"{name}: W must be a contiguous fp32 CPU matrix"):
+            call(x.double(), w)
 
 
 @needs_ext

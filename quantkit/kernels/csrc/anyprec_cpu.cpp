@@ -163,6 +163,24 @@ inline int64_t kmeans_exact_rows(const std::string& isa, const float* w, const d
 }  // namespace anyprec
 
 #ifndef ANYPREC_CPU_CORE_ONLY
+// The two entry points' inputs: W fp32 [R, n] and its sensitivity fp64 [n] or [R, n], contiguous, on the CPU.
+void check_rows(const at::Tensor& W, const at::Tensor& sens, const char* fn) {
+  QK_CHECK(W.device().is_cpu() && W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(), fn,
+           ": W must be a contiguous fp32 CPU matrix, got ", W.scalar_type(), " ", W.sizes(), " on ", W.device());
+  QK_CHECK(sens.device().is_cpu() && sens.scalar_type() == at::kDouble && sens.is_contiguous(), fn,
+           ": sensitivity must be contiguous fp64 on the CPU, got ", sens.scalar_type(), " on ", sens.device());
+  const int64_t R = W.size(0), n = W.size(1);
+  QK_CHECK((sens.dim() == 1 && sens.size(0) == n) || (sens.dim() == 2 && sens.size(0) == R && sens.size(1) == n), fn,
+           ": sensitivity must be [", n, "] or [", R, ", ", n, "], got ", sens.sizes());
+  QK_CHECK(n >= 1 && n < (int64_t(1) << 31), fn, ": row length ", n, " out of range");
+}
+
+std::string available_isa(const std::string& isa, const char* fn) {
+  const std::string used = anyprec::pick_isa(isa);
+  QK_CHECK(!used.empty(), fn, ": instruction set ", isa, " is not available (auto, generic, avx2)");
+  return used;
+}
+
 // W fp32 [R, n]; sens fp64 [n] (one weight per column, all rows) or [R, n]; 1 <= s <= p <= 8;
 // joint: level_weights [p-s+1], window, seed_tolerance (< 0: no limit on the seed width's SSE);
 // isa: "auto", "generic" or "avx2" (the same results; for tests and measurements).
@@ -173,24 +191,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, std::map
     const at::Tensor& W, const at::Tensor& sens, int64_t seed_bits, int64_t parent_bits, bool joint,
     const std::vector<double>& level_weights, int64_t window, double seed_tolerance, int64_t threads,
     const std::string& isa) {
-  QK_CHECK(W.device().is_cpu() && W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(),
-              "anyprec_cpu: W must be a contiguous fp32 CPU matrix, got ", W.scalar_type(), " ", W.sizes());
-  QK_CHECK(sens.device().is_cpu() && sens.scalar_type() == at::kDouble && sens.is_contiguous(),
-              "anyprec_cpu: sensitivity must be contiguous fp64 on the CPU, got ", sens.scalar_type());
+  check_rows(W, sens, "anyprec_cpu");
   const int64_t R = W.size(0), n = W.size(1);
-  QK_CHECK((sens.dim() == 1 && sens.size(0) == n) || (sens.dim() == 2 && sens.size(0) == R && sens.size(1) == n),
-              "anyprec_cpu: sensitivity must be [", n, "] or [", R, ", ", n, "], got ", sens.sizes());
   QK_CHECK(1 <= seed_bits && seed_bits <= parent_bits && parent_bits <= 8,
               "anyprec_cpu: need 1 <= seed_bits <= parent_bits <= 8, got ", seed_bits, " and ", parent_bits);
-  QK_CHECK(n >= 1 && n < (int64_t(1) << 31), "anyprec_cpu: row length ", n, " out of range");
   const int s = static_cast<int>(seed_bits), p = static_cast<int>(parent_bits);
   const int levels = p - s + 1;
   QK_CHECK(!joint || static_cast<int>(level_weights.size()) == levels, "anyprec_cpu: ", levels,
               " level weights needed for bits ", s, "..", p, ", got ", level_weights.size());
   for (double v : level_weights) QK_CHECK(v > 0 && std::isfinite(v), "anyprec_cpu: level weights must be > 0");
   QK_CHECK(window >= 0 && window <= 4096, "anyprec_cpu: window must be in 0..4096, got ", window);
-  const std::string used = anyprec::pick_isa(isa);
-  QK_CHECK(!used.empty(), "anyprec_cpu: instruction set ", isa, " is not available (auto, generic, avx2)");
+  const std::string used = available_isa(isa, "anyprec_cpu");
   const int nthreads = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
 
   auto opts = at::TensorOptions().dtype(at::kDouble);
@@ -222,12 +233,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, std::map
 // sorted distinct values, and the inertia fp64 [R]. For tests and measurements.
 std::tuple<at::Tensor, at::Tensor> kmeans_exact(const at::Tensor& W, const at::Tensor& sens, int64_t K,
                                                 int64_t threads, const std::string& isa) {
-  QK_CHECK(W.scalar_type() == at::kFloat && W.dim() == 2 && W.is_contiguous(), "kmeans_exact: fp32 [R, n] W");
-  QK_CHECK(sens.scalar_type() == at::kDouble && sens.is_contiguous() && sens.numel() % W.size(1) == 0,
-              "kmeans_exact: fp64 sensitivity [n] or [R, n]");
+  check_rows(W, sens, "kmeans_exact");
   QK_CHECK(K >= 1 && K <= 65536, "kmeans_exact: K out of range");
-  const std::string used = anyprec::pick_isa(isa);
-  QK_CHECK(!used.empty(), "kmeans_exact: instruction set ", isa, " is not available (auto, generic, avx2)");
+  const std::string used = available_isa(isa, "kmeans_exact");
   const int64_t R = W.size(0), n = W.size(1);
   at::Tensor cuts = at::empty({R, K + 1}, at::TensorOptions().dtype(at::kInt));
   at::Tensor inertia = at::empty({R}, at::TensorOptions().dtype(at::kDouble));

@@ -76,6 +76,7 @@
 #include <string>
 
 #include "cp_async.h"
+#include "kernel_attrs.h"
 #endif
 
 #define AP_HD __host__ __device__ __forceinline__
@@ -794,19 +795,9 @@ int launch_instance(const MatvecArgs& a, cudaStream_t stream) {
   } else {
     using C = Config<K, TILES, FLAGS>;
     auto kernel = matvec_kernel<K, T, TILES, FLAGS>;
-    // once per instance and device: opt in to > 48 KB of shared memory and a carveout that holds
-    // MIN_BLOCKS blocks (the driver's default may keep more L1); not stream operations: capture-safe
-    static uint64_t configured = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return kLaunchFailed;
-    if (!((configured >> dev) & 1)) {
-      const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
-      if ((C::SMEM_BYTES > 48 * 1024 &&
-           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES) != cudaSuccess) ||
-          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout) != cudaSuccess)
-        return kLaunchFailed;
-      configured |= uint64_t(1) << dev;
-    }
+    // a carveout that holds MIN_BLOCKS blocks (the driver's default may keep more L1)
+    const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
+    if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
     kernel<<<blocks, kThreads, C::SMEM_BYTES, stream>>>(a);
     return kOk;

@@ -1118,6 +1118,7 @@ inline int lut_grid(const LutParams& p, int max_blocks) {
 #include <algorithm>
 
 #include "check.h"
+#include "kernel_attrs.h"
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1126,15 +1127,10 @@ inline int lut_grid(const LutParams& p, int max_blocks) {
 #include <optional>
 
 namespace {
-// The LUT kernel for BP padded columns, its dynamic shared memory allowed once per process.
+// The LUT kernel for BP padded columns, its dynamic shared memory allowed on the current device.
 template <int BP>
 auto lut_kernel() {
-  static const bool ready = [] {
-    cudaFuncSetAttribute(lutgemm::lut_gemm_kernel<BP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         lutgemm::Cfg<BP>::kSmemBytes);
-    return true;
-  }();
-  (void)ready;
+  qk::configure_once<lutgemm::lut_gemm_kernel<BP>>(lutgemm::Cfg<BP>::kSmemBytes, -1);  // a failure shows at launch
   return lutgemm::lut_gemm_kernel<BP>;
 }
 
@@ -1145,16 +1141,10 @@ int lut_resident_blocks() {
   return n;
 }
 
-// The tensor-core kernel, its dynamic shared memory (the ring; it depends on q) allowed once per process.
+// The tensor-core kernel, its dynamic shared memory (the ring; it depends on q) allowed on the current
+// device, with all of L1 as shared memory so the blocks the occupancy query counts fit.
 auto mma_kernel() {
-  static const bool ready = [] {
-    cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         lutgemm::kMmaMaxSmemBytes);
-    // all of L1 as shared memory, so the blocks the occupancy query counts fit (as in anyprec.cu)
-    cudaFuncSetAttribute(lutgemm::bcq_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    return true;
-  }();
-  (void)ready;
+  qk::configure_once<lutgemm::bcq_mma_kernel>(lutgemm::kMmaMaxSmemBytes, 100);  // a failure shows at launch
   return lutgemm::bcq_mma_kernel;
 }
 

@@ -1148,7 +1148,7 @@ auto mma_kernel() {
   return lutgemm::bcq_mma_kernel;
 }
 
-inline int mma_smem_bytes(const lutgemm::LutParams& p) { return MMA_STAGES * lutgemm::mma_stage_bytes(p.q, p.planes); }
+inline int mma_smem_bytes(int q, int planes) { return MMA_STAGES * lutgemm::mma_stage_bytes(q, planes); }
 
 // Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel, whose ring grows with the
 // planes), asked once per process (one GPU model assumed).
@@ -1159,8 +1159,7 @@ int resident_blocks(int bp, int planes = 0, int q = 0) {
   if (slot == 0) {
     int n = 0;
     if (bp == 0) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(), lutgemm::kThreads,
-                                                    MMA_STAGES * lutgemm::mma_stage_bytes(q, planes));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(), lutgemm::kThreads, mma_smem_bytes(q, planes));
     } else if (bp == 1) n = lut_resident_blocks<1>();
     else if (bp == 2) n = lut_resident_blocks<2>();
     else if (bp == 4) n = lut_resident_blocks<4>();
@@ -1205,7 +1204,7 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
-      mma_kernel()<<<grid, kThreads, mma_smem_bytes(pm), stream>>>(pm);
+      mma_kernel()<<<grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream>>>(pm);
       err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       continue;

@@ -8,7 +8,7 @@ heads, vocab 32000) with transformers' random init (no download). Its 224 decode
 replaced, in place, by QuantLinear modules built without calibration, one format at a time (speed does
 not depend on the values):
   bcq-q3/q4-g128   random sign planes and α (LUT-GEMM's format, no offset)
-  gptq4-bcq-g128   RTN 4-bit g128 of the random weights, converted exactly to BCQ (with its offset): the
+  gptq4-bcq-g128   RTN 4-bit g128 of the random weights, converted to BCQ (with its offset, rounded to fp16): the
                    bytes and kernel of a GPTQ-4 artifact converted to BCQ (GPTQ only changes the values)
   anyprec-k        one random 8-bit parent (random codes, random sorted tables for 3..8 bits), served
                    at k = 3..8 through QuantLinear.set_bits on the same modules

@@ -98,7 +98,7 @@ def fetch_model(force):
 @click.option("--rounds", type=int, default=None,
               help="BCQ: alternating least-squares rounds after the greedy start; stops early once the error stops falling [15].")
 @click.option("--format", "format", type=click.Choice(["uniform", "bcq"]), default=None,
-              help="Stored format [default: the method's own]. bcq with rtn/gptq converts exactly (LUT-GEMM appendix C).")
+              help="Stored format [default: the method's own]. bcq with rtn/gptq converts by LUT-GEMM appendix C (exact but for the fp16 rounding of the offset).")
 @click.option("--clip-search/--no-clip-search", default=None,
               help="rtn/gptq: search a shrunk clipping range per group, min Σ|w-q|^2.4 as the GPTQ reference's mse option [gptq on, rtn off].")
 @click.option("--low-bits", type=int, default=None, help="ooc: bits l of the low tier [2].")

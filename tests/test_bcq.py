@@ -10,6 +10,7 @@ from quantkit import bitfamily
 from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
 from quantkit.cli import main
 from quantkit.engine import quantize_model
+from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform, pack_planes, unpack_planes
 from quantkit.formats.uniform import UniformQuantizedTensor
@@ -68,6 +69,14 @@ def test_degenerate_groups_are_finite():
         deq = qt.dequantize()
         assert torch.isfinite(deq).all()
         assert ((deq - w) ** 2).sum() <= 1e-6
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(value):
+    w = torch.randn(4, 64)
+    w[2, 3] = value
+    with pytest.raises(QuantkitError, match="NaN or Inf"):
+        bcq_fit(w, 3, 32, True)
 
 
 def test_method_contract():
@@ -180,6 +189,7 @@ def test_uniform_to_bcq(bits, group_size, sym):
     z = (s * ((2**bits - 1) / 2 - ut.zeros())).t()  # [G, k]
     assert torch.equal(bt.signs(), torch.stack([((ut.codes().long() >> i) & 1).bool() for i in range(bits)]))
     assert torch.equal(bt.alpha, alpha.half()) and torch.equal(bt.offset, z.half())
+    assert ((bt.offset.float() - z).abs() <= 2.0 ** (bits - 12) * s.t()).all()  # the bound bcq_from_uniform states
     # so the dequantized weights differ from the uniform ones by at most the fp16 rounding of α and z
     cols = torch.arange(100) // g
     bound = ((bt.alpha.float() - alpha).abs().sum(1) + (bt.offset.float() - z).abs()).t()[:, cols]

@@ -101,7 +101,7 @@ def test_stacked_projections_compute_the_same_outputs(kind):
             tokens = StaticGreedyDecoder(model, max_len=20, batch_size=2).generate(ids, 6)
     finally:
         unfuse_pointwise(model)
-    # uniform runs on its exact BCQ form, which rounds the offset to fp16: not bit-equal to the reference
+    # uniform runs on its BCQ form, which rounds the offset to fp16: not bit-equal to the reference
     tol = 1e-5 if kind != "uniform" else 2e-3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     handle.undo()

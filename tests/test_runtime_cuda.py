@@ -276,7 +276,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def smol_artifacts(smollm2, tmp_path_factory):
-    """RTN w4 g64 (uniform, served through the exact BCQ conversion), RTN w3 g64 stored as BCQ, and RTN
+    """RTN w4 g64 (uniform, served through the BCQ conversion), RTN w3 g64 stored as BCQ, and RTN
     w4 per-channel; g = 64 divides SmolLM2's 576- and 1536-wide rows, so every layer can take a kernel."""
     from quantkit.pipeline import quantize_checkpoint
 

@@ -1,5 +1,5 @@
-"""LUT-GEMM on CUDA for BCQ QuantLinear layers, and for uniform (RTN/GPTQ) ones through the exact
-BCQ conversion (LUT-GEMM appendix C, formats.bcq.bcq_from_uniform).
+"""LUT-GEMM on CUDA for BCQ QuantLinear layers, and for uniform (RTN/GPTQ) ones through the BCQ
+conversion (LUT-GEMM appendix C, formats.bcq.bcq_from_uniform).
 
 Two paths, chosen by the number of tokens (rows of x):
   * tokens <= MATVEC_MAX_TOKENS: the LUT kernel (csrc/lutgemm.cu) reads the packed sign planes

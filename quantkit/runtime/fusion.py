@@ -229,7 +229,7 @@ class ProjectionFusion:
 
 def fuse_projections(model):
     """Stack q/k/v and gate/up of every layer into one linear each (float nn.Linear, or QuantLinear of BCQ,
-    uniform via its exact BCQ form, or any-precision at the same served bit-width); returns a
+    uniform via its BCQ form, or any-precision at the same served bit-width); returns a
     ProjectionFusion handle. Groups whose modules differ (format, bits, groups, bias) stay as they are.
     The originals are kept by the handle until undo(), so memory holds both meanwhile; for any-precision,
     call set_bits on the stacked modules (or fuse after choosing the bit-width)."""

@@ -217,6 +217,21 @@ def test_fisher_sensitivity_through_the_pipeline(tiny_llama_dir, tmp_path, data_
     assert torch.isfinite(model(ids).logits).all()
 
 
+def test_non_finite_fisher_is_refused(tiny_llama_dir, tmp_path, data_dir, monkeypatch):
+    from quantkit.engine import fisher
+    from quantkit.pipeline import quantize_checkpoint
+
+    def overflowed(model, calib_ids, names, device):  # as squared fp16 gradients that overflow would give
+        return {name: torch.full_like(model.get_submodule(name).weight, float("inf")) for name in names}
+
+    monkeypatch.setattr(fisher, "fisher_sensitivity", overflowed)
+    out = tmp_path / "ap-fisher"
+    with pytest.raises(QuantkitError, match="Fisher sensitivity is not finite"):
+        quantize_checkpoint(str(tiny_llama_dir), out, "anyprec", {"seed_bits": 2, "parent_bits": 3,
+                            "sensitivity": "fisher"}, nsamples=2, seqlen=32, data_dir=data_dir, progress=False)
+    assert not out.exists()
+
+
 def test_preset_is_the_paper_setting_with_method_defaults():
     from pathlib import Path
 
@@ -231,3 +246,15 @@ def test_preset_is_the_paper_setting_with_method_defaults():
     method = make_method("anyprec", **values)
     assert (method.seed_bits, method.parent_bits, method.sensitivity) == (3, 8, "fisher")
     assert method.upscale == make_method("anyprec").upscale == "split"  # the preset names the default
+
+
+@pytest.mark.parametrize("bad", ["weight_nan", "weight_inf", "sens_inf", "sens_negative"])
+def test_torch_kmeans_refuses_non_finite_input(bad):
+    # the torch path (used when the C++ extension is unavailable) must fail as clearly as the C++ one
+    x, w = _rows(rows=3, n=40)
+    if bad.startswith("weight"):
+        x[1, 5] = float("nan") if bad == "weight_nan" else float("inf")
+    else:
+        w[2, 7] = float("inf") if bad == "sens_inf" else -1.0
+    with pytest.raises(QuantkitError, match="not finite|negative"):
+        weighted_kmeans_1d(x, w, 4)

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from quantkit.errors import QuantkitError
+
 
 def cpu_default_dtype():
     """bf16 where the CPU has bf16 matrix instructions, else fp32 (see the module docstring)."""
@@ -86,4 +88,8 @@ def fisher_module_stats(model, adapter, calib_ids, device, compute_dtype=None):
     if original_device is not None:
         work.to(original_device)
     del work, fisher
+    bad = [name for name, entry in stats.items() if not torch.isfinite(entry["fisher"]).all()]
+    if bad:  # e.g. squared fp16 gradients that overflowed: say so here, not as NaN weights a layer later
+        raise QuantkitError(f"Fisher sensitivity is not finite for {len(bad)} linear(s), first {bad[0]}; "
+                            "the squared gradients overflowed; use --sensitivity activation")
     return stats, round(time.perf_counter() - start, 2)

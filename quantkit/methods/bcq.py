@@ -80,6 +80,8 @@ def _least_squares(Wg, M, idx, table, offset):
 
 def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
     """Greedy + alternating BCQ of `weight` [k, d] (fp32, any device), batched over all groups."""
+    if not torch.isfinite(weight).all():
+        raise QuantkitError("BCQ: the weight contains NaN or Inf")
     k, d = weight.shape
     g = effective_group_size(group_size, d)
     G = num_groups(d, g)

@@ -21,6 +21,8 @@ Everything is torch ops over [rows, n]; there is no Python loop over rows.
 
 import torch
 
+from quantkit.errors import QuantkitError
+
 _TINY = 1e-300
 
 
@@ -30,6 +32,11 @@ class SortedRows:
     def __init__(self, x: torch.Tensor, w: torch.Tensor):
         x = x.to(torch.float64)
         w = w.to(torch.float64).expand_as(x)
+        # the prefix sums would turn one bad value into NaN centroids for its whole row
+        if not torch.isfinite(x).all():
+            raise QuantkitError("k-means: a weight is not finite (NaN or Inf)")
+        if not (torch.isfinite(w).all() and (w >= 0).all()):
+            raise QuantkitError("k-means: a sensitivity is negative or not finite (NaN or Inf)")
         self.xs, self.perm = torch.sort(x, dim=1)
         ws = torch.gather(w, 1, self.perm)
         zero = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)

@@ -8,8 +8,11 @@ block once per block (one matmul), which gives the same result as updating every
 
 Groups: a group's scale/zero are computed when its first column is reached, from the *current*
 (error-updated) weights of the whole group — also when the group runs past the current block,
-whose pending updates are then applied to those columns first. (The reference code reads the
-not-yet-updated weights in that case; we keep results independent of the block size.)
+whose pending updates are then applied to those columns first. The reference code instead reads
+W as it stood at the start of the block (without the updates of the block's earlier columns), so
+for groups that start inside a block (g < block_size, or g not dividing it) its parameters come
+from stale weights and its results depend on the block size; ours do not. With g a multiple of
+block_size (the usual g = 128, block 128) the two are identical.
 
 act_order processes columns by descending H_ii. Codes are always stored in the original column
 order. Without static groups a group is a run of g consecutive *processed* columns, so the
@@ -133,7 +136,7 @@ def _column_loop(w, h_inv, bits, g, sym, scales, zeros, codes, block_size, col_g
             w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
             err1[:, i] = e
         loss += err1.pow(2).sum() / 2  # the OBS losses (w - q)²/U_ii² / 2 of this block
-        w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
+        w[:, i2:].addmm_(err1, h_inv[i1:i2, i2:], alpha=-1)  # the fused form the CUDA driver uses, same rounding
     return loss
 
 

@@ -28,20 +28,24 @@ from quantkit.artifact import read_config
 FLAG_BITS = 16
 
 
+def groups_per_weight(g, d=None):
+    """1/g in the limit; with d, the exact ceil(d/g) groups of a row (a partial last group counts)."""
+    return 1 / g if d is None else math.ceil(d / g) / d
+
+
 def gptq_bits(b, g, d=None, f=FLAG_BITS, zero_bits=None):
     """A for GPTQ(b)/RTN with groups of g; d given: exact ceil(d/g) groups (partial last group)."""
     zero_bits = b if zero_bits is None else zero_bits
-    groups_per_weight = 1 / g if d is None else math.ceil(d / g) / d
-    return b + (zero_bits + f) * groups_per_weight
+    return b + (zero_bits + f) * groups_per_weight(g, d)
 
 
 def pbllm_bits(h, l, p, g, d=None, f=FLAG_BITS):
     high_flags = 0 if d is None else (h + f) / d
-    return 1 + 2 * f / g + high_flags + p * h + (1 - p) * l
+    return 1 + 2 * f * groups_per_weight(g, d) + high_flags + p * h + (1 - p) * l
 
 
-def billm_bits(h, l, p, g, f=FLAG_BITS):
-    return (2 - p) + (h + 2 * l) * f / g + p * h + (1 - p) * 1
+def billm_bits(h, l, p, g, d=None, f=FLAG_BITS):
+    return (2 - p) + (h + 2 * l) * f * groups_per_weight(g, d) + p * h + (1 - p) * 1
 
 
 def ooc_bits(h, l, p, g, d=None, f=FLAG_BITS):
@@ -67,14 +71,13 @@ def ooc_meta_bits(meta: dict, f=FLAG_BITS):
 
 
 def ooc_eq4_exact(h, l, n, g, d, f=FLAG_BITS):
-    """eq. (4) with the exact group count ceil(d/g) and n = p·g clear columns (integer): bits per weight."""
+    """eq. (4) with the exact group count ceil(d/g) and n = p·g clear columns: bits per weight."""
     groups = math.ceil(d / g)
     return ((groups - 1) * (l + f) + 2 * (h + f) + n * h + (d - n) * l) / d
 
 
 def bcq_bits(q, g, offset=False, d=None, f=FLAG_BITS):
-    groups_per_weight = 1 / g if d is None else math.ceil(d / g) / d
-    return q + (q * f + (f if offset else 0)) * groups_per_weight
+    return q + (q * f + (f if offset else 0)) * groups_per_weight(g, d)
 
 
 def codebook_bits(b, d=None, f=FLAG_BITS):
@@ -95,23 +98,24 @@ def anyprec_read_bits(bits, d=None, f=FLAG_BITS):
 
 
 def formula_table(g=128, d_min=768, f=FLAG_BITS):
-    """The paper's reference rows: A_lim and A_max (at d = d_min) for each family."""
+    """The paper's reference rows: A_lim and A_max (at d = d_min, with the exact group count ceil(d/g),
+    so a d_min that g does not divide, e.g. SmolLM2's 576, counts its partial group) for each family."""
     rows = []
 
     def add(name, lim, at_dmin, note=""):
         rows.append({"scheme": name, "A_lim": lim, "A_max": max(lim, at_dmin), "note": note})
 
     for b in (2, 3, 4, 8):
-        v = gptq_bits(b, g, f=f)
-        add(f"GPTQ({b})", v, v, "zero point b bits + fp16 scale per group")
+        add(f"GPTQ({b})", gptq_bits(b, g, f=f), gptq_bits(b, g, d_min, f), "zero point b bits + fp16 scale per group")
     add("PB-LLM(8,1,0.1)", pbllm_bits(8, 1, 0.1, g, f=f), pbllm_bits(8, 1, 0.1, g, d_min, f),
         "table-4 formula; the paper's text quotes 2.75")
-    add("BiLLM(2,2,0.1)", billm_bits(2, 2, 0.1, g, f), billm_bits(2, 2, 0.1, g, f), "low tier binarized (1 bit)")
+    add("BiLLM(2,2,0.1)", billm_bits(2, 2, 0.1, g, f=f), billm_bits(2, 2, 0.1, g, d_min, f), "low tier binarized (1 bit)")
     for h, l in ((2, 2), (3, 2), (4, 2), (4, 3)):
-        add(f"OOC({h},{l},0.1)", ooc_bits(h, l, 0.1, g, f=f), ooc_bits(h, l, 0.1, g, d_min, f), "eq. (4)")
+        # eq. (4) at d_min counts d/g groups; ooc_eq4_exact is the same formula with ceil(d/g) of them
+        add(f"OOC({h},{l},0.1)", ooc_bits(h, l, 0.1, g, f=f), ooc_eq4_exact(h, l, 0.1 * g, g, d_min, f), "eq. (4)")
     for q in (2, 3, 4):
-        add(f"BCQ({q})", bcq_bits(q, g, f=f), bcq_bits(q, g, f=f), "q fp16 scales per group")
-        add(f"BCQ({q})+offset", bcq_bits(q, g, True, f=f), bcq_bits(q, g, True, f=f), "plus an fp16 offset per group")
+        add(f"BCQ({q})", bcq_bits(q, g, f=f), bcq_bits(q, g, d=d_min, f=f), "q fp16 scales per group")
+        add(f"BCQ({q})+offset", bcq_bits(q, g, True, f=f), bcq_bits(q, g, True, d_min, f), "plus an fp16 offset per group")
     for b in (3, 4, 8):
         add(f"codebook({b})", codebook_bits(b, f=f), codebook_bits(b, d_min, f), "per-channel fp16 LUT of 2^b entries")
     return {"group_size": g, "d_min": d_min, "flag_bits": f, "rows": rows}

@@ -50,3 +50,20 @@ def test_cli_formula_table_json():
     assert rows["GPTQ(2)"]["A_lim"] == pytest.approx(2.140625)
     assert rows["BiLLM(2,2,0.1)"]["A_lim"] == pytest.approx(3.75)
     assert rows["OOC(2,2,0.1)"]["A_max"] == pytest.approx(2.1640625)
+
+
+def test_formula_table_amax_counts_the_partial_group():
+    # at d_min = 768 (a multiple of 128) A_max is the paper's formula; at 576 every family pays for its
+    # 5th, partial group, as the stored bytes of such a matrix do
+    at_768 = {r["scheme"]: r for r in bf.formula_table(128, 768)["rows"]}
+    assert at_768["GPTQ(2)"]["A_max"] == pytest.approx(2.140625)
+    assert at_768["OOC(2,2,0.1)"]["A_max"] == pytest.approx(bf.ooc_bits(2, 2, 0.1, 128, 768))
+    assert at_768["OOC(4,2,0.1)"]["A_max"] == pytest.approx(bf.ooc_bits(4, 2, 0.1, 128, 768))
+    at_576 = {r["scheme"]: r for r in bf.formula_table(128, 576)["rows"]}
+    assert at_576["GPTQ(2)"]["A_max"] == pytest.approx(2 + 18 * 5 / 576)
+    assert at_576["BCQ(2)"]["A_max"] == pytest.approx(2 + 32 * 5 / 576)
+    assert at_576["BCQ(3)+offset"]["A_max"] == pytest.approx(3 + 64 * 5 / 576)
+    assert at_576["OOC(2,2,0.1)"]["A_max"] == pytest.approx((4 * 18 + 2 * 18 + 576 * 2) / 576)
+    assert at_576["BiLLM(2,2,0.1)"]["A_max"] == pytest.approx(1.9 + 6 * 16 * 5 / 576 + 0.2 + 0.9)
+    for row in at_576.values():
+        assert row["A_max"] >= row["A_lim"]

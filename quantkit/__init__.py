@@ -7,13 +7,18 @@ def load(path, device="cpu", dtype=None, verify=True, bits=None):
     """Load a quantkit artifact directory as a transformers model whose quantized linears are QuantLinear
     modules (CUDA kernels on CUDA inputs, the dequantize reference elsewhere), in eval mode.
 
-    device: "cpu", "cuda[:N]", or None for cuda when available. dtype: compute dtype [float16 on
-    cuda, float32 on cpu]. verify: check the shards' checksums. bits: serve this width of an
+    device: "cpu", "cuda[:N]", or None for cuda when available. dtype: compute dtype, a torch.dtype or
+    its name ("float16", "bfloat16", "float32") [float16 on cuda, float32 on cpu]. verify: check the shards' checksums. bits: serve this width of an
     any-precision artifact (None: its parent width; `QuantLinear.set_bits` switches it later).
     The config keeps use_cache=False for perplexity; `model.generate` uses the KV cache anyway when
     called with use_cache=True (quantkit.runtime.generate.generate_text does).
     """
-    from quantkit.pipeline import resolve_device
+    import torch
+
+    from quantkit.pipeline import resolve_device, resolve_dtype
     from quantkit.runtime.loader import load_quantized
 
-    return load_quantized(path, device=resolve_device(device), dtype=dtype, verify=verify, bits=bits)
+    device = resolve_device(device)
+    if not isinstance(dtype, torch.dtype):
+        dtype = resolve_dtype(dtype, device)
+    return load_quantized(path, device=device, dtype=dtype, verify=verify, bits=bits)

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -159,14 +160,47 @@ def _shard(tensors: dict, max_bytes: int):
     return shards
 
 
+def _readable_as_umask_allows(path):
+    """safetensors creates its files 0600; give them the mode of the artifact's other files (0666 & ~umask),
+    so an artifact in a shared directory can be read by the others who can read its config."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def is_quantkit_artifact(path) -> bool:
+    """Whether `path` is a directory whose config.json declares a quantkit artifact (content not checked)."""
+    config = Path(path) / CONFIG
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    qcfg = data.get("quantization_config") if isinstance(data, dict) else None
+    return isinstance(qcfg, dict) and qcfg.get("quant_method") == "quantkit"
+
+
+def check_out_dir(out_dir, overwrite):
+    """Refuse an existing `out_dir` unless overwrite is set and it is an empty directory or a quantkit
+    artifact: --overwrite replaces an earlier result, never a directory that holds anything else."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        return
+    if not overwrite:
+        raise QuantkitError(f"{out_dir} already exists; pass --overwrite to replace it")
+    if not out_dir.is_dir():
+        raise QuantkitError(f"{out_dir} exists and is not a directory; not replacing it")
+    if any(out_dir.iterdir()) and not is_quantkit_artifact(out_dir):
+        raise QuantkitError(f"{out_dir} is not a quantkit artifact; --overwrite replaces only an artifact or an "
+                            "empty directory")
+
+
 def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, float_tensors: dict,
                    quantization_config: dict, quant_log: dict, overwrite=False, max_shard_bytes=DEFAULT_SHARD_BYTES):
     """Write the artifact atomically. qtensors: {module name: QuantizedTensor}. A failure leaves
     neither `out_dir` (an existing one is kept) nor a temporary directory; a failed write is a
     StorageError naming the cause (e.g. no space left on device)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise QuantkitError(f"{out_dir} already exists; pass --overwrite to replace it")
+    check_out_dir(out_dir, overwrite)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +225,7 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
             metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": tensor_digest(shard),
                         CONFIG_KEY: config_digest, LAYOUT_KEY: "0" * 64}  # the layout is known once written
             save_file(shard, str(tmp / fname), metadata=metadata)
+            _readable_as_umask_allows(tmp / fname)
             finish_header(tmp / fname)
             qcfg["files"][fname] = file_digest(tmp / fname)
             weight_map.update({name: fname for name in shard})
@@ -203,7 +238,12 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
         if out_dir.exists():
             trash = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
             out_dir.rename(trash)
-            tmp.rename(out_dir)
+            try:
+                tmp.rename(out_dir)
+            except BaseException:  # e.g. Ctrl-C between the two renames: the old artifact goes back
+                if not out_dir.exists():
+                    trash.rename(out_dir)
+                raise
             shutil.rmtree(trash, ignore_errors=True)
         else:
             tmp.rename(out_dir)
@@ -274,6 +314,18 @@ def read_config(path) -> dict:
     return config
 
 
+@contextmanager
+def open_tensor_file(fpath):
+    """safe_open of one tensor file; a file safetensors cannot read (truncated, not safetensors) is a
+    QuantkitError naming it, also when only its header is read (inspect, bitfamily)."""
+    try:
+        handle = safe_open(str(fpath), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types and OSError
+        raise QuantkitError(f"{fpath}: unreadable safetensors file ({exc})") from exc
+    with handle as fh:
+        yield fh
+
+
 def read_tensors(path, verify=True) -> dict:
     """All tensors of the artifact by name, on CPU; checks each file's sha256 unless verify=False."""
     path = Path(path)
@@ -283,16 +335,14 @@ def read_tensors(path, verify=True) -> dict:
         fpath = path / fname
         if verify and file_digest(fpath) != expected:
             raise QuantkitError(f"{fpath}: checksum mismatch (file truncated or altered); re-create the artifact")
-        try:
-            with safe_open(str(fpath), framework="pt") as fh:
-                for name in fh.keys():
-                    if name in tensors:
-                        raise QuantkitError(f"{fpath}: tensor {name} also stored in another file")
+        with open_tensor_file(fpath) as fh:
+            for name in fh.keys():
+                if name in tensors:
+                    raise QuantkitError(f"{fpath}: tensor {name} also stored in another file")
+                try:
                     tensors[name] = fh.get_tensor(name)
-        except QuantkitError:
-            raise
-        except Exception as exc:
-            raise QuantkitError(f"{fpath}: unreadable safetensors file ({exc})") from exc
+                except Exception as exc:
+                    raise QuantkitError(f"{fpath}: unreadable tensor {name} ({exc})") from exc
     return tensors
 
 
@@ -310,7 +360,14 @@ def split_module_tensors(tensors: dict, modules: dict):
 
 
 def read_log(path) -> dict:
+    """The artifact's quant_log.json ({} when absent: it is informational, not needed to load)."""
+    where = Path(path) / LOG
     try:
-        return json.loads((Path(path) / LOG).read_text())
+        log = json.loads(where.read_text())
     except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"{where}: unreadable ({exc})") from None
+    if not isinstance(log, dict):
+        raise QuantkitError(f"{where}: expected a JSON object")
+    return log

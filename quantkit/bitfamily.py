@@ -21,9 +21,7 @@ module; the matching formula uses the exact group count ceil(d/g) of our layout.
 import math
 from pathlib import Path
 
-from safetensors import safe_open
-
-from quantkit.artifact import read_config
+from quantkit.artifact import open_tensor_file, read_config
 
 FLAG_BITS = 16
 
@@ -149,7 +147,7 @@ def measured_bits(artifact_dir) -> dict:
     modules = qcfg["modules"]
     stored = {name: 0 for name in modules}
     for fname in qcfg["files"]:
-        with safe_open(str(artifact_dir / fname), framework="pt") as fh:
+        with open_tensor_file(artifact_dir / fname) as fh:
             for key in fh.keys():
                 module, _, short = key.rpartition(".")
                 if module in stored and short != "bias":

@@ -17,7 +17,26 @@ def _fail(message):
 
 
 class _Group(click.Group):
-    """Turns QuantkitError (and a few environment errors) into one line on stderr, exit code 2."""
+    """Turns QuantkitError (and a few environment errors) into one line on stderr, exit code 2; click's
+    own usage errors (a bad option value, an unknown option) too, instead of its three-line block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # bare `quantkit`: the help
+                exc.show()
+                sys.exit(exc.exit_code)
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            _fail(exc.format_message() + where)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            _fail("aborted")
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
         try:
@@ -82,7 +101,7 @@ def fetch_model(force):
 @click.option("--method", default="rtn", show_default=True, help="Quantization method (see `quantkit methods`).")
 # Method settings default to None: an option not given leaves the method's own default in force
 # (`quantkit methods` lists them), so each method keeps one source of truth for its defaults.
-@click.option("--bits", type=int, default=None, help="Bits per weight code, 2-8 [method default: 4; bcq 3].")
+@click.option("--bits", type=int, default=None, help="Bits per weight code [method default: rtn/gptq 4 (2-8), bcq 3 (1-8), squeezellm 3; see `quantkit methods`].")
 @click.option("--group-size", type=int, default=None,
               help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept. [128]")
 @click.option("--sym/--asym", default=None, help="Symmetric (no stored zero) or asymmetric [asym].")
@@ -165,13 +184,7 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
     values = dict(ctx.params)
     explicit = {k for k in values if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     if preset:
-        import yaml
-
-        loaded = yaml.safe_load(Path(preset).read_text()) or {}
-        for key, value in loaded.items():
-            key = key.replace("-", "_")
-            if key not in values:
-                raise QuantkitError(f"{preset}: unknown option {key!r}")
+        for key, value in _read_preset(ctx, preset).items():
             if key not in explicit:
                 values[key] = value
                 explicit.add(key)
@@ -203,6 +216,38 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
                    + ("  <- kept" if flow["chosen"] else ""))
     click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
                f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+def _read_preset(ctx, path):
+    """{parameter name: value} of a preset YAML whose keys are option names (`group-size` or `group_size`,
+    `model` for --model), each value checked and converted as the option itself would."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise QuantkitError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise QuantkitError(f"{path}: a preset is a mapping of option: value, not a {type(loaded).__name__}")
+    by_option = {}
+    for param in ctx.command.params:
+        if param.name in ("preset",):
+            continue
+        for opt in getattr(param, "opts", []):
+            by_option[opt.lstrip("-").replace("-", "_")] = param
+        by_option.setdefault(param.name, param)
+    out = {}
+    for key, value in loaded.items():
+        param = by_option.get(str(key).replace("-", "_"))
+        if param is None:
+            raise QuantkitError(f"{path}: unknown option {key!r}")
+        try:
+            out[param.name] = param.type_cast_value(ctx, value)
+        except click.BadParameter as exc:
+            raise QuantkitError(f"{path}: {key}: {exc.message}") from None
+    return out
 
 
 def _reliability_options(values):
@@ -260,7 +305,7 @@ def eval_group():
               default=["wikitext2"], show_default=True, help="Evaluation text (GPTQ protocol); repeatable.")
 @click.option("--seqlen", type=int, default=2048, show_default=True, help="Window length in tokens.")
 @click.option("--max-windows", type=int, default=None, help="Score only the first N windows [default: all].")
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True, help="Windows per forward pass.")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Compute dtype [default: float16 on cuda, float32 on cpu].")
@@ -277,6 +322,10 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
         raise QuantkitError("--seqlen must be at least 2")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError("--max-windows must be at least 1")
+    from quantkit.models import resolve_source
+
+    for src in models:  # a typo in the last --model must not cost the evaluation of the first ones
+        resolve_source(src)
     results = []
     for src in models:
         results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
@@ -345,14 +394,22 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
 
 @main.command()
 @click.argument("artifact", required=False, type=click.Path(exists=True, file_okay=False))
-@click.option("--group-size", type=int, default=128, show_default=True, help="g for the formula table.")
-@click.option("--d-min", type=int, default=768, show_default=True, help="Smallest matrix width, for A_max.")
+@click.option("--group-size", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Formula table: the group size g.")
+@click.option("--d-min", type=click.IntRange(min=1), default=768, show_default=True,
+              help="Formula table: the smallest matrix width, where A_max is taken.")
 @click.option("--per-module", is_flag=True, help="With ARTIFACT: list every module.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bitfamily(artifact, group_size, d_min, per_module, as_json):
+@click.pass_context
+def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
     """Bit families: the k-OOC formula table, or the measured bits per weight of ARTIFACT."""
     from quantkit import bitfamily as bf
 
+    given = {k for k in ("group_size", "d_min", "per_module") if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    if artifact is not None and given & {"group_size", "d_min"}:
+        raise QuantkitError("--group-size and --d-min set the formula table; with ARTIFACT the stored settings count")
+    if artifact is None and "per_module" in given:
+        raise QuantkitError("--per-module applies only with ARTIFACT")
     if artifact is None:
         table = bf.formula_table(group_size, d_min)
         if as_json:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quantkit import __version__
-from quantkit.artifact import float_tensors, write_artifact
+from quantkit.artifact import check_out_dir, float_tensors, write_artifact
 from quantkit.data import calibration_windows, eval_tokens
 from quantkit.engine import quantize_model
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
@@ -132,6 +132,8 @@ class _Job:
         world = self.ranks.world_size
         if ensemble and self.resume:
             raise QuantkitError("--resume is not available with --ensemble (its two flows are not checkpointed)")
+        if self.resume and not self.use_checkpoint:
+            raise QuantkitError("--resume continues from OUT.partial/, which --no-checkpoint turns off; give one of them")
         if ensemble:
             self.use_checkpoint = False
         if world > 1 and ensemble:
@@ -231,8 +233,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     ensemble (ooc only): the two-flow OOC(h,l,p,s), choosing GPTQ(l) or GPTQ(h,l,p,s) by the loss on
     `val_windows` held-out windows of the calibration dataset (quantkit/ensemble.py)."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
+    check_out_dir(out, overwrite)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     job = _Job(out, device, resume=resume, checkpoint=checkpoint, offload_activations=offload_activations,
@@ -334,12 +335,19 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
     `bits` serves that width of an any-precision artifact (recorded as served_bits)."""
     device = resolve_device(device)
     model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
+    quantized_with = {}
+    if source.kind == "artifact":  # how the artifact was made: its calibration counts in comparisons too
+        from quantkit.artifact import read_log
+
+        log = read_log(source.path)
+        quantized_with = {"quantized_with": {key: log.get(key) for key in ("model", "method", "settings", "calibration")}}
     results = []
     for name in datasets:
         ids, protocol = eval_tokens(name, tokenizer, seqlen, data_dir)
         scores = perplexity(model, ids, seqlen, max_windows, device, batch_size, progress)
         results.append({"model": source.display, "model_kind": source.kind, **scores, **protocol,
-                        "tokenizer": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+                        "tokenizer": type(tokenizer).__name__, "tokenizer_source": tokenizer.name_or_path,
+                        "vocab_size": len(tokenizer), **quantized_with,
                         "device": device, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                         **({} if bits is None else {"served_bits": bits})})
     return results
@@ -354,8 +362,7 @@ def convert_artifact(src, out, fmt="bcq", overwrite=False):
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise QuantkitError("--out must differ from the source artifact")
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
+    check_out_dir(out, overwrite)
     config = read_config(src)
     qcfg = config.pop("quantization_config")
     per_module, rest = split_module_tensors(read_tensors(src), qcfg["modules"])

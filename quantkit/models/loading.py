@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit import settings
+from quantkit.artifact import is_quantkit_artifact
 from quantkit.errors import QuantkitError
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,6 @@ class Source:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def is_artifact_dir(path) -> bool:
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        qcfg = json.loads(config.read_text()).get("quantization_config") or {}
-    except (OSError, json.JSONDecodeError):
-        return False
-    return qcfg.get("quant_method") == "quantkit"
-
-
 def resolve_source(src) -> Source:
     """Decide what SRC names. The alias 'smollm2' is the default model in the quantkit cache."""
     src = str(src)
@@ -56,10 +46,16 @@ def resolve_source(src) -> Source:
             raise QuantkitError(f"GGUF file not found: {path}")
         return Source("gguf", str(path.resolve().parent), path.name)
     if path.is_dir():
-        if is_artifact_dir(path):
+        if is_quantkit_artifact(path):
             return Source("artifact", str(path))
         if not (path / "config.json").is_file():
             raise QuantkitError(f"{path} is a directory but has no config.json (not a Hugging Face model)")
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise QuantkitError(f"{path / 'config.json'}: unreadable ({exc})") from None
+        if not isinstance(config, dict) or not isinstance(config.get("quantization_config", {}), dict):
+            raise QuantkitError(f"{path / 'config.json'}: not a Hugging Face model config (expected a JSON object)")
         return Source("hf_dir", str(path))
     if path.exists():
         raise QuantkitError(f"{path} is neither a model directory nor a .gguf file")

@@ -143,7 +143,7 @@ def fetch_model(force):
                    "choose the nested partitions for the SSE of all widths at once (C++ path only; lower SSE, no better "
                    "perplexity on SmolLM2) [split].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it is an earlier artifact or an empty directory (only once the new one is complete; anything else is refused).")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run from the layers recorded in OUT.partial/ (same settings required); "
                    "the artifact is byte-identical to an uninterrupted run. Without a checkpoint: start afresh.")
@@ -275,7 +275,7 @@ def _run_quantize(out, fn, *args, **kwargs):
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(["bcq"]), required=True, help="Target format.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists (only once the new one is complete).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it is an earlier artifact or an empty directory (only once the new one is complete; anything else is refused).")
 def convert(src, fmt, out, overwrite):
     """Rewrite the artifact SRC in another format: uniform (rtn/gptq) -> bcq is exact up to the fp16 offset."""
     from quantkit.pipeline import convert_artifact

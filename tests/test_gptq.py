@@ -216,12 +216,16 @@ def test_engine_gptq_beats_rtn_ontiny_llama():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("static_groups", [False, True])  # with static groups no g_idx is stored
+def test_cuda_matches_cpu(static_groups):
     gen = torch.Generator().manual_seed(5)
     x = correlated_inputs(300, 150, gen, torch.float64)
     weight = torch.randn(24, 150, generator=gen, dtype=torch.float64)
-    method = GPTQ(bits=3, group_size=32, act_order=True)
+    method = GPTQ(bits=3, group_size=32, act_order=True, static_groups=static_groups)
     cpu, _ = method.quantize(weight, hessian_stats(x))
     stats = {k: v.cuda() if torch.is_tensor(v) else v for k, v in hessian_stats(x).items()}
     gpu, _ = method.quantize(weight.cuda(), stats)
-    assert torch.equal(gpu.codes().cpu(), cpu.codes()) and torch.equal(gpu.g_idx.cpu(), cpu.g_idx)
+    assert torch.equal(gpu.codes().cpu(), cpu.codes())
+    assert (gpu.g_idx is None) == (cpu.g_idx is None) == static_groups
+    if not static_groups:
+        assert torch.equal(gpu.g_idx.cpu(), cpu.g_idx)

@@ -8,10 +8,11 @@ def load(path, device="cpu", dtype=None, verify=True, bits=None):
     modules (CUDA kernels on CUDA inputs, the dequantize reference elsewhere), in eval mode.
 
     device: "cpu", "cuda[:N]", or None for cuda when available. dtype: compute dtype, a torch.dtype or
-    its name ("float16", "bfloat16", "float32") [float16 on cuda, float32 on cpu]. verify: check the shards' checksums. bits: serve this width of an
-    any-precision artifact (None: its parent width; `QuantLinear.set_bits` switches it later).
-    The config keeps use_cache=False for perplexity; `model.generate` uses the KV cache anyway when
-    called with use_cache=True (quantkit.runtime.generate.generate_text does).
+    its name ("float16", "bfloat16", "float32") [float16 on cuda, float32 on cpu]. verify: check the
+    shards' checksums. bits: serve this width of an any-precision artifact (None: its parent width;
+    `QuantLinear.set_bits` switches it later). The config keeps use_cache=False for perplexity;
+    `model.generate` uses the KV cache anyway when called with use_cache=True
+    (quantkit.runtime.generate.generate_text does).
     """
     import torch
 

@@ -82,6 +82,9 @@ def main(verbose):
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+overwrite_option = click.option("--overwrite", is_flag=True,
+                                help="Replace --out if it is an earlier artifact or an empty directory (only once the "
+                                     "new one is complete; anything else is refused).")
 data_dir_option = click.option("--data-dir", envvar="QUANTKIT_DATA", type=click.Path(file_okay=False),
                                help="Directory with the WikiText-2/C4/PTB texts (layout of shared/data). Env: QUANTKIT_DATA.")
 
@@ -143,7 +146,7 @@ def fetch_model(force):
                    "choose the nested partitions for the SSE of all widths at once (C++ path only; lower SSE, no better "
                    "perplexity on SmolLM2) [split].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it is an earlier artifact or an empty directory (only once the new one is complete; anything else is refused).")
+@overwrite_option
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run from the layers recorded in OUT.partial/ (same settings required); "
                    "the artifact is byte-identical to an uninterrupted run. Without a checkpoint: start afresh.")
@@ -233,7 +236,7 @@ def _read_preset(ctx, path):
         raise QuantkitError(f"{path}: a preset is a mapping of option: value, not a {type(loaded).__name__}")
     by_option = {}
     for param in ctx.command.params:
-        if param.name in ("preset",):
+        if param.name == "preset":
             continue
         for opt in getattr(param, "opts", []):
             by_option[opt.lstrip("-").replace("-", "_")] = param
@@ -275,7 +278,7 @@ def _run_quantize(out, fn, *args, **kwargs):
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(["bcq"]), required=True, help="Target format.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it is an earlier artifact or an empty directory (only once the new one is complete; anything else is refused).")
+@overwrite_option
 def convert(src, fmt, out, overwrite):
     """Rewrite the artifact SRC in another format: uniform (rtn/gptq) -> bcq is exact up to the fp16 offset."""
     from quantkit.pipeline import convert_artifact
@@ -405,7 +408,8 @@ def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
     """Bit families: the k-OOC formula table, or the measured bits per weight of ARTIFACT."""
     from quantkit import bitfamily as bf
 
-    given = {k for k in ("group_size", "d_min", "per_module") if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    given = {k for k in ("group_size", "d_min", "per_module")
+             if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     if artifact is not None and given & {"group_size", "d_min"}:
         raise QuantkitError("--group-size and --d-min set the formula table; with ARTIFACT the stored settings count")
     if artifact is None and "per_module" in given:

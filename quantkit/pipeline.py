@@ -40,7 +40,8 @@ def resolve_dtype(dtype, device):
 
 def output_format(quantizer, fmt=None):
     """The format to store: the method's own (`output_format`, default uniform), or bcq for a uniform
-    method, converted by LUT-GEMM appendix C (exact but for the fp16 rounding of the offset). Refuses any other combination up front."""
+    method, converted by LUT-GEMM appendix C (exact but for the fp16 rounding of the offset). Refuses
+    any other combination up front."""
     native = getattr(quantizer, "output_format", "uniform")
     if fmt in (None, native):
         return native

@@ -10,9 +10,9 @@ Groups: a group's scale/zero are computed when its first column is reached, from
 (error-updated) weights of the whole group — also when the group runs past the current block,
 whose pending updates are then applied to those columns first. The reference code instead reads
 W as it stood at the start of the block (without the updates of the block's earlier columns), so
-for groups that start inside a block (g < block_size, or g not dividing it) its parameters come
-from stale weights and its results depend on the block size; ours do not. With g a multiple of
-block_size (the usual g = 128, block 128) the two are identical.
+for groups that start inside a block (g not a multiple of block_size, e.g. g = 32 with blocks of
+128) its parameters come from stale weights and its results depend on the block size; ours do
+not. When every group starts a block (the usual g = 128, block 128) the two are identical.
 
 act_order processes columns by descending H_ii. Codes are always stored in the original column
 order. Without static groups a group is a run of g consecutive *processed* columns, so the

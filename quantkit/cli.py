@@ -319,14 +319,13 @@ def eval_group():
 @data_dir_option
 def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir, bits):
     """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol."""
+    from quantkit.models import resolve_source
     from quantkit.pipeline import evaluate_ppl
 
     if seqlen < 2:
         raise QuantkitError("--seqlen must be at least 2")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError("--max-windows must be at least 1")
-    from quantkit.models import resolve_source
-
     for src in models:  # a typo in the last --model must not cost the evaluation of the first ones
         resolve_source(src)
     results = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quantkit import __version__
-from quantkit.artifact import check_out_dir, float_tensors, write_artifact
+from quantkit.artifact import check_out_dir, float_tensors, read_log, write_artifact
 from quantkit.data import calibration_windows, eval_tokens
 from quantkit.engine import quantize_model
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
@@ -338,8 +338,6 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
     model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
     quantized_with = {}
     if source.kind == "artifact":  # how the artifact was made: its calibration counts in comparisons too
-        from quantkit.artifact import read_log
-
         log = read_log(source.path)
         quantized_with = {"quantized_with": {key: log.get(key) for key in ("model", "method", "settings", "calibration")}}
     results = []
@@ -357,7 +355,7 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
 def convert_artifact(src, out, fmt="bcq", overwrite=False):
     """Rewrite the quantkit artifact `src` with every quantized module in `fmt` (uniform -> bcq, LUT-GEMM
     appendix C); float tensors, tokenizer and settings are carried over. Returns a summary dict."""
-    from quantkit.artifact import read_config, read_log, read_tensors, split_module_tensors
+    from quantkit.artifact import read_config, read_tensors, split_module_tensors
     from quantkit.formats.base import quantized_tensor_from_state_dict
 
     src, out = Path(src), Path(out)

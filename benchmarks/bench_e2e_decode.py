@@ -190,9 +190,10 @@ def linear_free_ms(model, modules, prompt, max_len, steps):
     (a view: no kernel), the rest of the step unchanged: the time a step spends outside those linears."""
 
     def stub(module):
-        buffer = torch.zeros(prompt.shape[0], prompt.shape[1], module.out_features, device="cuda",
-                             dtype=torch.float16)
-        return lambda x: buffer[: x.shape[0], : x.shape[1]]
+        # contiguous like a real output, so compiled consumers (SiLU·mul) see the layouts they run on
+        n = module.out_features
+        buffer = torch.zeros(prompt.numel() * n, device="cuda", dtype=torch.float16)
+        return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
 
     for m in modules:
         m.forward = stub(m)

@@ -162,6 +162,21 @@ def test_static_decoder_matches_generate(attn, artifact, tiny_tokenizer):
         decoder.steps(NEW_TOKENS + 1)
 
 
+def test_static_decoder_steps_bypass_transformers_cache_update(artifact, tiny_tokenizer):
+    # decode steps write keys and values at the decoder's position buffer instead of transformers'
+    # StaticCache.update (five kernels a layer); only prefill goes through it. Same tokens as generate().
+    model = quantkit.load(artifact("rtn"))
+    ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
+    want, _ = _greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
+    layers_seen = []
+    transformers_update = decoder._cache_update
+    decoder._cache_update = lambda k, v, layer_idx, *a, **kw: (layers_seen.append(layer_idx),
+                                                                 transformers_update(k, v, layer_idx, *a, **kw))[1]
+    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)
+    assert layers_seen == list(range(model.config.num_hidden_layers))  # the prefill, once per layer
+
+
 def test_static_decoder_warm_up_after_full_generation(artifact, tiny_tokenizer):
     # capture() warms up (and records) decode steps on whatever cache the last generate() left full; the
     # StaticCache writes at its own device-side counter, so without a rewind those steps index past

@@ -43,11 +43,16 @@ def _silu_mul(gate, up):
     return F.silu(gate) * up
 
 
+# Compiled variants one function may collect: prefill and decode, separate and stacked projections (a
+# strided view), each float or quantized model in the process. Dynamo's default of 8 ran out in the
+# decode benchmark, after which new variants ran eagerly (two kernels for SiLU·mul instead of one).
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _compiled(fn):
     # dynamic: prefill and decode shapes, and the strided views of stacked projections, share one graph
-    # instead of recompiling per shape and stride. Not fullgraph: a process that runs many devices and
-    # dtypes can reach dynamo's recompile limit, and then these run eagerly instead of failing.
+    # where dynamo can. Not fullgraph: past the recompile limit these run eagerly instead of failing.
     return torch.compile(fn, dynamic=True)
 
 
@@ -79,9 +84,12 @@ def _same_source(fn, source):
 def fuse_pointwise(model):
     """Compile the RMSNorms, SiLU·mul MLP activations and rotary embedding of `model` in place (see the
     module docstring); returns {"rms_norm": n, "mlp": n, "rotary": n} modules/functions replaced.
-    Idempotent; unfuse_pointwise undoes it. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
+    Idempotent; unfuse_pointwise undoes it. Raises torch._dynamo's process-wide recompile limit to at least
+    RECOMPILE_LIMIT. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
     norm_src, mlp_src, rotary_src = _llama_sources()
     device = next(model.parameters()).device
+    dynamo_config = torch._dynamo.config  # process-wide: raised, never lowered
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     try:  # fail here, clearly, rather than on the first decode step
         probe = torch.ones(2, 8, device=device)
         _compiled(_silu_mul)(probe, probe)

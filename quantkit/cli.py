@@ -315,7 +315,8 @@ def eval_group():
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results (ppl + protocol) as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help='Also write the results as JSON: {"results": [one object per model and dataset: ppl, protocol, ...]}.')
 @data_dir_option
 def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir, bits):
     """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol."""
@@ -336,7 +337,7 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
              str(r["seqlen"]), r["protocol"], f"{r['seconds']:.1f}"] for r in results]
     click.echo(_table(rows, ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]))
     if json_path:
-        _write_json(json_path, results[0] if len(results) == 1 else {"results": results})
+        _write_json(json_path, {"results": results})  # one shape for one model or many
 
 
 @main.command()
@@ -354,7 +355,8 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Compute dtype [default: float16 on cuda, float32 on cpu].")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write completions and timing as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help='Also write completions and timing as JSON: {"runs": [one object per model]}.')
 def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, bits, device, dtype, no_verify,
              json_path):
     """Complete prompts with a model (KV cache on) and print the text and tokens/s.
@@ -391,7 +393,7 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
                      "prompts": list(prompts), **out})
         del model
     if json_path:
-        _write_json(json_path, runs[0] if len(runs) == 1 else {"runs": runs})
+        _write_json(json_path, {"runs": runs})
 
 
 @main.command()

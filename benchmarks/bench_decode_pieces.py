@@ -5,7 +5,8 @@
 Each variant runs 32 times inside one CUDA graph (as the 32 layers of a step would), timed over graph
 replays with CUDA events (median of 5); µs per call:
   attention   SDPA with an additive mask over the static cache (L cached positions, one query): its
-              cudnn, efficient and math backends, and a torch.compile'd expression of the same product
+              cudnn, efficient and math backends, a torch.compile'd expression of the same product, and
+              FlexAttention masked by a position tensor
   kv write    transformers' StaticLayer.update (arange + add for the position, an add_ to its counter,
               two index_copy_), two plain index_copy_, and the two compiled together (runtime.generate)
   add + norm  the residual add then the compiled RMSNorm (runtime.fusion), against both compiled together
@@ -95,7 +96,27 @@ def attention_rows(lengths):
         out = compiled(q, k, v, mask)
         rows.append({"piece": "attention", "cached": length, "variant": "torch.compile", "us":
                      graph_us(lambda: compiled(q, k, v, mask)), "max_abs_err": (out.float() - want).abs().max().item()})
+        rows.append(flex_row(q, k, v, length, want))
     return rows
+
+
+def flex_row(q, k, v, length, want):
+    """FlexAttention (its split-KV decoding kernel for short queries), masked by a position tensor."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    position = torch.tensor([length // 2], device="cuda")
+
+    def causal(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx <= position[0], score, -float("inf"))
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    try:
+        out = flex(q, k, v, score_mod=causal)
+        us = graph_us(lambda: flex(q, k, v, score_mod=causal))
+    except Exception as exc:  # inductor or triton missing or unable
+        return {"piece": "attention", "cached": length, "variant": "flex_attention", "error": str(exc)[:120]}
+    return {"piece": "attention", "cached": length, "variant": "flex_attention", "us": us,
+            "max_abs_err": (out.float() - want).abs().max().item()}
 
 
 def kv_write_rows(length):

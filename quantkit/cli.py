@@ -355,19 +355,25 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Compute dtype [default: float16 on cuda, float32 on cpu].")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
+@click.option("--static-cache", is_flag=True,
+              help="Greedy decoding from a static KV cache, each step one CUDA-graph replay on CUDA: the speed the "
+                   "kernels allow (prompts must tokenize to one length; decode time only, prefill apart).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help='Also write completions and timing as JSON: {"runs": [one object per model]}.')
 def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, bits, device, dtype, no_verify,
-             json_path):
+             static_cache, json_path):
     """Complete prompts with a model (KV cache on) and print the text and tokens/s.
 
-    Tokens/s here includes transformers' per-token Python work; for kernel-bound decode speed see
-    benchmarks/bench_e2e_decode.py (static cache + CUDA graphs).
+    Tokens/s includes transformers' per-token Python work (model.generate), tens of ms per token for a
+    7B model on a GPU; --static-cache decodes without it (StaticGreedyDecoder, CUDA graphs), as
+    benchmarks/bench_e2e_decode.py does.
     """
     from quantkit.models import resolve_source
     from quantkit.pipeline import load_for_eval, resolve_device
-    from quantkit.runtime.generate import generate_text
+    from quantkit.runtime.generate import generate_static, generate_text
 
+    if static_cache and not greedy:
+        raise QuantkitError("--static-cache decodes greedily; drop --sample")
     device = resolve_device(device)
     if bits is not None:  # refuse before spending time on the first model
         floats = [src for src in models if resolve_source(src).kind != "artifact"]
@@ -376,19 +382,27 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
     runs = []
     for src in models:
         model, tokenizer, source = load_for_eval(src, device, dtype, verify=not no_verify, bits=bits)
-        out = generate_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=greedy,
-                            temperature=temperature, top_p=top_p, seed=seed)
+        if static_cache:
+            out = generate_static(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+        else:
+            out = generate_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=greedy,
+                                temperature=temperature, top_p=top_p, seed=seed)
         served = "" if bits is None else f" @{bits}b"
         click.echo(f"== {source.display}{served} ({source.kind}, {device})")
         for prompt, completion in zip(prompts, out["completions"]):
             click.echo(f"{prompt}{completion}")
             click.echo("--")
-        click.echo(f"{sum(out['new_tokens'])} new tokens in {out['seconds']:.2f} s: {out['tokens_per_s']:.1f} tokens/s, "
-                   f"{out['ms_per_step']:.1f} ms per decoding step")
+        if static_cache:
+            how = "CUDA graph" if out["cuda_graph"] else "eager"
+            click.echo(f"static cache, {how}: {out['ms_per_step']:.2f} ms per decoding step, {out['tokens_per_s']:.1f} "
+                       f"tokens/s (decode only; prefill {out['prefill_ms']:.1f} ms)")
+        else:
+            click.echo(f"{sum(out['new_tokens'])} new tokens in {out['seconds']:.2f} s: {out['tokens_per_s']:.1f} "
+                       f"tokens/s, {out['ms_per_step']:.1f} ms per decoding step")
         runs.append({"model": source.display, "model_kind": source.kind, "device": device,
                      "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                     "decoding": {"greedy": greedy, **({} if greedy else
-                                                       {"temperature": temperature, "top_p": top_p, "seed": seed})},
+                     "decoding": {"greedy": greedy, "static_cache": static_cache,
+                                  **({} if greedy else {"temperature": temperature, "top_p": top_p, "seed": seed})},
                      "max_new_tokens": max_new_tokens, **({} if bits is None else {"served_bits": bits}),
                      "prompts": list(prompts), **out})
         del model

@@ -14,7 +14,7 @@ from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import load_for_eval, quantize_checkpoint
 from quantkit.runtime import QuantLinear
-from quantkit.runtime.generate import StaticGreedyDecoder, generate_text
+from quantkit.runtime.generate import StaticGreedyDecoder, generate_static, generate_text
 
 PROMPTS = ["The history of the", "In 1998 the band released"]
 NEW_TOKENS = 16
@@ -270,3 +270,31 @@ def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
 
     result = runner.invoke(main, ["generate", "--model", str(lively_llama_dir), "--prompt", "x", "--bits", "3"])
     assert result.exit_code == 2 and "only to any-precision" in result.output
+
+
+def test_generate_static_matches_generate(artifact, tiny_tokenizer, tmp_path):
+    # the static-cache path (eager steps on the CPU; CUDA graphs on the device) decodes the same greedy
+    # tokens as model.generate, also for a batch of equal-length prompts; unequal lengths are refused
+    model = quantkit.load(artifact("bcq"))
+    batch = [PROMPTS[0], PROMPTS[0] + " old"]
+    assert len({len(tiny_tokenizer(p)["input_ids"]) for p in batch}) == 2  # the second is longer
+    same = [PROMPTS[1], PROMPTS[1].replace("band", "team")]
+    assert len({len(tiny_tokenizer(p)["input_ids"]) for p in same}) == 1
+    want = generate_text(model, tiny_tokenizer, same, max_new_tokens=NEW_TOKENS)
+    got = generate_static(model, tiny_tokenizer, same, max_new_tokens=NEW_TOKENS)
+    assert got["token_ids"] == want["token_ids"] and got["completions"] == want["completions"]
+    assert got["cuda_graph"] is False and got["tokens_per_s"] > 0 and got["prefill_ms"] > 0
+    with pytest.raises(QuantkitError, match="tokenize to"):
+        generate_static(model, tiny_tokenizer, batch, max_new_tokens=4)
+    with pytest.raises(QuantkitError, match="at least 2"):
+        generate_static(model, tiny_tokenizer, same, max_new_tokens=1)
+
+    out = tmp_path / "s.json"
+    args = ["generate", "--model", str(artifact("bcq")), "--prompt", same[0], "--max-new-tokens", str(NEW_TOKENS)]
+    result = CliRunner().invoke(main, args + ["--static-cache", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "static cache, eager" in result.output and f"{same[0]}{want['completions'][0]}" in result.output
+    (run_,) = json.loads(out.read_text())["runs"]
+    assert run_["decoding"]["static_cache"] and run_["token_ids"] == want["token_ids"][:1]
+    result = CliRunner().invoke(main, args + ["--static-cache", "--sample"])
+    assert result.exit_code == 2 and "decodes greedily" in result.output

@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 import quantkit  # noqa: E402
 from quantkit.kernels.dispatch import kernel_forward  # noqa: E402
 from quantkit.runtime import QuantLinear  # noqa: E402
-from quantkit.runtime.generate import StaticGreedyDecoder  # noqa: E402
+from quantkit.runtime.generate import StaticGreedyDecoder, generate_static  # noqa: E402
 
 KERNEL_NOISE_FACTOR = 4  # kernel error vs fp32 / the fp16 reference's error vs fp32
 FP16_NOISE_MAX = 5e-2  # above this the fp16 noise floor itself is suspect and excuses nothing
@@ -210,6 +210,30 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     _assert_same_until_near_tie(model, prompt, eager, graphed, "graph vs eager")
     _assert_same_until_near_tie(model, prompt, graphed, again, "graph replayed twice")
     _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
+
+
+class _IdTokenizer:
+    """Prompts given as space-separated token ids; what generate_static needs of a tokenizer."""
+
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in rows]
+
+
+def test_generate_static_decodes_through_a_cuda_graph(artifact):
+    # `quantkit generate --static-cache` on CUDA: captured decode steps, the tokens of eager steps
+    model = quantkit.load(artifact("rtn-bcq"), device="cuda")
+    _require_kernel(model, tokens=1)
+    prompt = _prompts(model.config.vocab_size, batch=1)
+    out = generate_static(model, _IdTokenizer(), [" ".join(map(str, prompt[0].tolist()))], max_new_tokens=STEPS)
+    assert out["cuda_graph"] and out["tokens_per_s"] > 0
+    eager = StaticGreedyDecoder(model, max_len=PROMPT + STEPS).generate(prompt, STEPS)
+    _assert_same_until_near_tie(model, prompt, eager, torch.tensor(out["token_ids"], device="cuda"),
+                                "generate_static vs eager steps")
 
 
 @pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("rtn", None), ("anyprec", 3)])

@@ -139,6 +139,64 @@ def _static_layer_kv(cache, layer_idx):
     return None
 
 
+@torch.inference_mode()
+def generate_static(model, tokenizer, prompts, max_new_tokens=64):
+    """Greedy completions from a static KV cache with StaticGreedyDecoder, each decode step one CUDA-graph
+    replay on CUDA (eager steps elsewhere): the decoding speed the kernels allow, without transformers'
+    per-token Python. The prompts must tokenize to the same length (no padding in a static batch).
+
+    Returns generate_text's keys, with "seconds" / "tokens_per_s" / "ms_per_step" for the decode steps
+    alone (all max_new_tokens - 1 of them: decoding does not stop at eos, completions are cut there),
+    plus "prefill_ms" and "cuda_graph". The clock starts after the capture and an untimed generation.
+    """
+    prompts = list(prompts)
+    if not prompts:
+        raise QuantkitError("give at least one --prompt")
+    if max_new_tokens < 2:
+        raise QuantkitError("--static-cache times decode steps: --max-new-tokens must be at least 2")
+    device = _model_device(model)
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    if any(len(r) == 0 for r in rows):
+        raise QuantkitError("a --prompt is empty after tokenization")
+    if len({len(r) for r in rows}) != 1:
+        lengths = ", ".join(str(len(r)) for r in rows)
+        raise QuantkitError(f"--static-cache decodes prompts of one length together; these tokenize to {lengths} "
+                            "tokens (give them one at a time, or drop --static-cache)")
+    prompt_ids = torch.tensor(rows, device=device)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
+        raise QuantkitError(f"prompt ({prompt_ids.shape[1]} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                            f"model's context of {limit} tokens")
+    decoder = StaticGreedyDecoder(model, max_len=prompt_ids.shape[1] + max_new_tokens, batch_size=len(prompts))
+    decoder.generate(prompt_ids, 2)  # one-time work (kernel builds, weight caches) before capture and clock
+    if device.type == "cuda":
+        decoder.capture()
+    decoder.generate(prompt_ids, 2)  # graph upload
+    _sync(device)
+    start = time.perf_counter()
+    first = decoder.prefill(prompt_ids)
+    _sync(device)
+    prefilled = time.perf_counter()
+    rest = decoder.steps(max_new_tokens - 1)
+    _sync(device)
+    seconds = time.perf_counter() - prefilled
+    new_ids = torch.cat([first, rest], dim=1)
+    lengths = completion_lengths(new_ids, tokenizer.eos_token_id)
+    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
+    steps = max_new_tokens - 1
+    return {
+        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
+        "token_ids": ids,
+        "new_tokens": lengths,
+        "prompt_tokens": [len(r) for r in rows],
+        "seconds": seconds,
+        "tokens_per_s": len(prompts) * steps / seconds,
+        "ms_per_step": 1000 * seconds / steps,
+        "prefill_ms": 1000 * (prefilled - start),
+        "cuda_graph": decoder.graph is not None,
+    }
+
+
 class StaticGreedyDecoder:
     """Greedy decoding of a batch of equal-length prompts, one decode step capturable in a CUDA graph.
 

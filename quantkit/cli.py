@@ -393,7 +393,9 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
             click.echo(f"{prompt}{completion}")
             click.echo("--")
         if static_cache:
-            how = "CUDA graph" if out["cuda_graph"] else "eager"
+            how = "CUDA graph" if out["cuda_graph"] else "eager steps"
+            if "graph_error" in out:
+                how += f" (graph capture failed: {out['graph_error'][:200]})"
             click.echo(f"static cache, {how}: {out['ms_per_step']:.2f} ms per decoding step, {out['tokens_per_s']:.1f} "
                        f"tokens/s (decode only; prefill {out['prefill_ms']:.1f} ms)")
         else:

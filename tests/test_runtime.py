@@ -293,7 +293,7 @@ def test_generate_static_matches_generate(artifact, tiny_tokenizer, tmp_path):
     args = ["generate", "--model", str(artifact("bcq")), "--prompt", same[0], "--max-new-tokens", str(NEW_TOKENS)]
     result = CliRunner().invoke(main, args + ["--static-cache", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "static cache, eager" in result.output and f"{same[0]}{want['completions'][0]}" in result.output
+    assert "static cache, eager steps" in result.output and f"{same[0]}{want['completions'][0]}" in result.output
     (run_,) = json.loads(out.read_text())["runs"]
     assert run_["decoding"]["static_cache"] and run_["token_ids"] == want["token_ids"][:1]
     result = CliRunner().invoke(main, args + ["--static-cache", "--sample"])

@@ -147,7 +147,8 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
 
     Returns generate_text's keys, with "seconds" / "tokens_per_s" / "ms_per_step" for the decode steps
     alone (all max_new_tokens - 1 of them: decoding does not stop at eos, completions are cut there),
-    plus "prefill_ms" and "cuda_graph". The clock starts after the capture and an untimed generation.
+    plus "prefill_ms", "cuda_graph" and, when a CUDA capture failed, "graph_error" (eager steps then). The
+    clock starts after the capture and an untimed generation.
     """
     prompts = list(prompts)
     if not prompts:
@@ -169,8 +170,12 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
                             f"model's context of {limit} tokens")
     decoder = StaticGreedyDecoder(model, max_len=prompt_ids.shape[1] + max_new_tokens, batch_size=len(prompts))
     decoder.generate(prompt_ids, 2)  # one-time work (kernel builds, weight caches) before capture and clock
+    graph_error = None
     if device.type == "cuda":
-        decoder.capture()
+        try:
+            decoder.capture()
+        except Exception as exc:  # an op that cannot be captured: decode with eager steps, and say why
+            decoder.graph, graph_error = None, f"{type(exc).__name__}: {exc}"
     decoder.generate(prompt_ids, 2)  # graph upload
     _sync(device)
     start = time.perf_counter()
@@ -194,6 +199,7 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
         "ms_per_step": 1000 * seconds / steps,
         "prefill_ms": 1000 * (prefilled - start),
         "cuda_graph": decoder.graph is not None,
+        **({} if graph_error is None else {"graph_error": graph_error}),
     }
 
 

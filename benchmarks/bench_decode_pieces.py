@@ -80,10 +80,8 @@ def attention_rows(lengths):
         mask = torch.zeros(1, 1, 1, length, device="cuda", dtype=torch.float16)
         mask[..., length // 2 + 1 :] = torch.finfo(torch.float16).min
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float())
-        variants = [(name, backend) for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
-                                                           ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
-                                                           ("sdpa math", SDPBackend.MATH))]
-        for name, backend in variants:
+        for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa math", SDPBackend.MATH)):
             try:
                 with sdpa_kernel([backend]):
                     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -49,6 +49,28 @@ def completion_lengths(new_ids, eos_token_id):
     return lengths
 
 
+def _check_request(prompts, max_new_tokens, min_new_tokens=1, why=""):
+    if not prompts:
+        raise QuantkitError("give at least one --prompt")
+    if max_new_tokens < min_new_tokens:
+        raise QuantkitError(f"{why}--max-new-tokens must be at least {min_new_tokens}")
+
+
+def _check_context(model, prompt_len, max_new_tokens):
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise QuantkitError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {limit} tokens")
+
+
+def _completions(tokenizer, new_ids):
+    """generate_text's per-prompt result keys from the new token ids [B, n], each row cut after its first eos."""
+    lengths = completion_lengths(new_ids, tokenizer.eos_token_id)
+    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
+    return {"completions": tokenizer.batch_decode(ids, skip_special_tokens=True), "token_ids": ids,
+            "new_tokens": lengths}
+
+
 @torch.inference_mode()
 def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, temperature=1.0, top_p=1.0, seed=0):
     """Complete each prompt with `model.generate` (KV cache on). Sampling is seeded with `seed`.
@@ -59,10 +81,7 @@ def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, tem
     CPU path, kernel builds and workspaces on CUDA) that are not decoding speed.
     """
     prompts = list(prompts)
-    if not prompts:
-        raise QuantkitError("give at least one --prompt")
-    if max_new_tokens < 1:
-        raise QuantkitError("--max-new-tokens must be at least 1")
+    _check_request(prompts, max_new_tokens)
     device = _model_device(model)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -79,10 +98,7 @@ def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, tem
     prompt_len = enc["input_ids"].shape[1]
     if (enc["attention_mask"].sum(dim=1) == 0).any():
         raise QuantkitError("a --prompt is empty after tokenization")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and prompt_len + max_new_tokens > limit:
-        raise QuantkitError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
-                            f"context of {limit} tokens")
+    _check_context(model, prompt_len, max_new_tokens)
     kwargs = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad, "do_sample": not greedy}
     if greedy:
         kwargs.update(temperature=None, top_p=None, top_k=None)  # silence the model's own sampling defaults
@@ -100,15 +116,12 @@ def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, tem
     _sync(device)
     seconds = time.perf_counter() - start
     new_ids = out[:, prompt_len:]
-    lengths = completion_lengths(new_ids, eos)
-    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
+    result = _completions(tokenizer, new_ids)
     return {
-        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
-        "token_ids": ids,
-        "new_tokens": lengths,
+        **result,
         "prompt_tokens": enc["attention_mask"].sum(dim=1).tolist(),
         "seconds": seconds,
-        "tokens_per_s": sum(lengths) / seconds,
+        "tokens_per_s": sum(result["new_tokens"]) / seconds,
         "ms_per_step": 1000 * seconds / new_ids.shape[1],
     }
 
@@ -125,18 +138,13 @@ def _compiled_write_kv():
 
 
 def _static_layer_kv(cache, layer_idx):
-    """The allocated key and value tensors [B, H, max_len, D] of one layer of a transformers StaticCache,
-    or None (not allocated yet, or a cache layout this code does not know: transformers' update then)."""
-    layers = getattr(cache, "layers", None)  # transformers >= 4.56: one StaticLayer per decoder layer
-    if layers is not None:
-        layer = layers[layer_idx] if layer_idx < len(layers) else None
-        if layer is None or not getattr(layer, "is_initialized", False) or getattr(layer, "keys", None) is None:
-            return None
-        return layer.keys, layer.values
-    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)  # older releases
-    if isinstance(keys, list) and isinstance(values, list) and layer_idx < len(keys):
-        return keys[layer_idx], values[layer_idx]
-    return None
+    """The allocated key and value tensors [B, H, max_len, D] of one layer of a transformers StaticCache
+    (one StaticLayer per decoder layer since transformers 4.56), or None before its first update
+    allocates them (transformers' update then)."""
+    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+    if layer is None or not getattr(layer, "is_initialized", False):
+        return None
+    return layer.keys, layer.values
 
 
 @torch.inference_mode()
@@ -151,10 +159,7 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
     clock starts after the capture and an untimed generation.
     """
     prompts = list(prompts)
-    if not prompts:
-        raise QuantkitError("give at least one --prompt")
-    if max_new_tokens < 2:
-        raise QuantkitError("--static-cache times decode steps: --max-new-tokens must be at least 2")
+    _check_request(prompts, max_new_tokens, 2, why="--static-cache times decode steps: ")
     device = _model_device(model)
     rows = [tokenizer(p)["input_ids"] for p in prompts]
     if any(len(r) == 0 for r in rows):
@@ -164,10 +169,7 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
         raise QuantkitError(f"--static-cache decodes prompts of one length together; these tokenize to {lengths} "
                             "tokens (give them one at a time, or drop --static-cache)")
     prompt_ids = torch.tensor(rows, device=device)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
-        raise QuantkitError(f"prompt ({prompt_ids.shape[1]} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
-                            f"model's context of {limit} tokens")
+    _check_context(model, prompt_ids.shape[1], max_new_tokens)
     decoder = StaticGreedyDecoder(model, max_len=prompt_ids.shape[1] + max_new_tokens, batch_size=len(prompts))
     decoder.generate(prompt_ids, 2)  # one-time work (kernel builds, weight caches) before capture and clock
     graph_error = None
@@ -185,14 +187,9 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
     rest = decoder.steps(max_new_tokens - 1)
     _sync(device)
     seconds = time.perf_counter() - prefilled
-    new_ids = torch.cat([first, rest], dim=1)
-    lengths = completion_lengths(new_ids, tokenizer.eos_token_id)
-    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
     steps = max_new_tokens - 1
     return {
-        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
-        "token_ids": ids,
-        "new_tokens": lengths,
+        **_completions(tokenizer, torch.cat([first, rest], dim=1)),
         "prompt_tokens": [len(r) for r in rows],
         "seconds": seconds,
         "tokens_per_s": len(prompts) * steps / seconds,
@@ -314,9 +311,9 @@ class StaticGreedyDecoder:
         The cache then holds junk: the next prefill resets it."""
         if not 1 <= n < self.max_len:
             raise QuantkitError(f"{n} warm-up steps do not fit a static cache of {self.max_len}")
-        # Steps write at self.pos, transformers' own update (a cache it has not allocated yet, or one it
-        # lays out differently) at its device-side counter: rewind both, or steps after an earlier
-        # generate() write past max_len (index_copy_ out of bounds)
+        # Steps write at self.pos, transformers' own update (a cache it has not allocated yet) at its
+        # device-side counter: rewind both, or steps after an earlier generate() write past max_len
+        # (index_copy_ out of bounds)
         self.cache.reset()
         self.pos.zero_()
         self.ids.zero_()

@@ -38,7 +38,6 @@ import torch
 
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
-from quantkit.kernels import dispatch
 from quantkit.kernels.dispatch import kernel_forward
 from quantkit.methods import make_method
 from quantkit.runtime import QuantLinear
@@ -266,13 +265,6 @@ def time_decode(model, prompt, gen, repeats, use_graph, share_modules=None):
 
 
 def run_format(fmt, fusion, model, modules, prompt, args, results):
-    # fp16 runs no quantkit kernel: one row whatever --overlap says
-    for overlap in [dispatch.overlap_launches] if fmt == "fp16" else args.overlap:
-        dispatch.overlap_launches = overlap
-        _run_format(fmt, fusion, model, modules, prompt, args, results)
-
-
-def _run_format(fmt, fusion, model, modules, prompt, args, results):
     start = time.perf_counter()
     serves = kernel_serves(modules)  # the first probe of a format builds its extension (minutes, once)
     if time.perf_counter() - start > 5:
@@ -303,11 +295,11 @@ def _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, result
         torch.cuda.reset_peak_memory_stats()
         row = time_decode(model, prompt, gen, args.repeats, not args.no_graph,
                           share_modules=in_use if i == 0 and not args.no_share else None)
-        row.update(format=fmt, fusion=fusion, overlap=None if fmt == "fp16" else dispatch.overlap_launches, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
+        row.update(format=fmt, fusion=fusion, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9)
         row["gb_per_s"] = step_bytes(model, modules, row["max_len"]) / (row["ms_per_token"] / 1000) / 1e9
         results.append(row)
-        log(f"  {fmt} ({fusion}{', overlapped' if row['overlap'] else ''}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
+        log(f"  {fmt} ({fusion}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
             + ("" if row["cuda_graph"] else "  (eager: " + row.get("graph_error", "--no-graph") + ")"))
         torch.cuda.empty_cache()
 
@@ -326,16 +318,15 @@ def add_speedups(results):
 
 
 def table(results):
-    cols = ["format", "fusion", "overlap", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
+    cols = ["format", "fusion", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
             "linear share", "graph", "graph=eager", "peak GB"]
     rows = []
     for r in results:
         if "skipped" in r:
-            rows.append([r["format"], r["fusion"], "-", "-", str(r["gen_tokens"]), f"skipped: {r['skipped']}"] + ["-"] * 9)
+            rows.append([r["format"], r["fusion"], "-", str(r["gen_tokens"]), f"skipped: {r['skipped']}"] + ["-"] * 9)
             continue
         share = r.get("linear_share")
-        overlap = "-" if r["overlap"] is None else "on" if r["overlap"] else "off"
-        rows.append([r["format"], r["fusion"], overlap, f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
+        rows.append([r["format"], r["fusion"], f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
                      f"{r['ms_per_token']:.3f}", f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup']:.2f}x" if "speedup" in r else "-", f"{r['e2e_tokens_per_s']:.1f}",
                      f"{r['prefill_ms']:.1f}", f"{r['gb_per_s']:.0f}", "-" if share is None else f"{share:.1%}",
@@ -350,11 +341,11 @@ def goal_lines(results, gen, fusions):
     lines = []
     for fusion in fusions:
         for fmt, goal in GOALS.items():
-            for row in (r for r in results if r["format"] == fmt and r["fusion"] == fusion and r["gen_tokens"] == gen
-                        and "speedup" in r):
+            row = next((r for r in results if r["format"] == fmt and r["fusion"] == fusion and r["gen_tokens"] == gen
+                        and "speedup" in r), None)
+            if row is not None:
                 verdict = "met" if row["speedup"] >= goal else "MISSED"
-                how = f"{fusion}, overlap {'on' if row['overlap'] else 'off'}"
-                lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({how}): {row['speedup']:.2f}x {verdict}")
+                lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({fusion}): {row['speedup']:.2f}x {verdict}")
     return lines
 
 
@@ -372,9 +363,6 @@ def main():
                     help="comma list of: none; pointwise (RMSNorm, rotary and SiLU*mul compiled); full (pointwise, "
                          "and q/k/v and gate/up stacked into one linear each); runtime.fusion, applied to fp16 and "
                          "every format alike [%(default)s]")
-    ap.add_argument("--overlap", default="on", choices=["on", "off", "both"],
-                    help="quantized linears' launches overlap the previous kernel (programmatic dependent launch, "
-                         "kernels.dispatch.overlap_launches); both: every quantized format twice [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)
@@ -385,7 +373,6 @@ def main():
     args.layers = args.layers or (8 if args.quick else 32)
     args.gen = [int(g) for g in (args.gen or ("32,128" if args.quick else "128,1024")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 2)
-    args.overlap = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     formats = args.formats.split(",") if args.formats else (QUICK_FORMATS if args.quick else FORMATS)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or min(args.gen) < 2:

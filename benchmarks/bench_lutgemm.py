@@ -132,31 +132,24 @@ def bench_shape(ops, k, d, args, l2):
                     calls = [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o, mma_min,
                                                            ws) for t, o in zip(copies, outs)]
                     sec = time_calls(calls, args.iters)
-                    zeroed_us = overlap_us = None
+                    zeroed_us = None
                     if n == 1:  # the same launches with a fresh zeroed workspace per call (one memset node more)
                         zeroed_us = 1e6 * time_calls(
                             [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o,
                                                            mma_min) for t, o in zip(copies, outs)], args.iters)
-                        # and overlapped launches (PDL): each one's start overlaps the end of the one before
-                        overlap_us = 1e6 * time_calls(
-                            [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o,
-                                                           mma_min, ws, overlap=True) for t, o in zip(copies, outs)],
-                            args.iters)
                     gbps = (bcq_bytes(one) + n * d * 2 + n * k * 2) / sec / 1e9
                     c_sec, c_gbps = cublas[n]
                     row = {"k": k, "d": d, "bits": q, "group_size": g, "offset": args.offset, "batch": n,
                            "kernel": kernel, "bits_per_weight": bcq_bytes(one) * 8 / (k * d), "lut_us": sec * 1e6,
                            "lut_GBps": gbps, "cublas_us": c_sec * 1e6, "cublas_GBps": c_gbps,
                            "frac_of_cublas_rate": gbps / c_gbps, "speedup": c_sec / sec, "rel_err": err,
-                           "weight_copies": len(copies), "lut_us_fresh_workspace": zeroed_us,
-                           "lut_us_overlapped": overlap_us}
+                           "weight_copies": len(copies), "lut_us_fresh_workspace": zeroed_us}
                     rows.append(row)
                     flag = "" if err < MAX_REL_ERR else f"  REL ERR {err:.1e} > {MAX_REL_ERR}"
                     print(f"{k:>6}x{d:<6} q{q} g{'row' if g == -1 else g:<4} b{n} {kernel}  {sec * 1e6:9.1f} us "
                           f"{gbps:8.0f} GB/s {gbps / c_gbps:6.2f}  | cuBLAS {c_sec * 1e6:9.1f} us {c_gbps:6.0f} GB/s "
                           f"| x{c_sec / sec:5.2f}  err {err:.1e}{flag}"
-                          + ("" if zeroed_us is None else f"  | memset per call {zeroed_us:7.1f} us, "
-                                                          f"overlapped {overlap_us:7.1f} us"), flush=True)
+                          + ("" if zeroed_us is None else f"  | memset per call {zeroed_us:7.1f} us"), flush=True)
             del copies
     return rows
 

@@ -298,25 +298,3 @@ def test_generate_static_matches_generate(artifact, tiny_tokenizer, tmp_path):
     assert run_["decoding"]["static_cache"] and run_["token_ids"] == want["token_ids"][:1]
     result = CliRunner().invoke(main, args + ["--static-cache", "--sample"])
     assert result.exit_code == 2 and "decodes greedily" in result.output
-
-
-def test_overlap_only_once_the_weights_are_settled(monkeypatch):
-    # a kernel launch may overlap the previous kernel only when that kernel cannot have written its weights:
-    # not on a module's first call, nor after the weights were replaced or written in place
-    from quantkit.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "overlap_launches", True)
-    module = torch.nn.Module()
-    planes, lut = torch.zeros(4, dtype=torch.int32), torch.zeros(2)
-    assert not dispatch.may_overlap(module, (planes, lut))  # first call
-    assert dispatch.may_overlap(module, (planes, lut))
-    lut.add_(1)  # an in-place write bumps the version
-    assert not dispatch.may_overlap(module, (planes, lut))
-    assert dispatch.may_overlap(module, (planes, lut))
-    assert not dispatch.may_overlap(module, (planes.clone(), lut))  # another tensor, even with equal values
-    assert not dispatch.may_overlap(module, (planes, lut))  # ... and back
-    assert not dispatch.may_overlap(module, (planes,))
-    assert not dispatch.may_overlap(torch.nn.Module(), (planes,))  # per module
-    dispatch.may_overlap(module, (planes, lut))
-    monkeypatch.setattr(dispatch, "overlap_launches", False)  # the switch wins
-    assert not dispatch.may_overlap(module, (planes, lut))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import build
-from quantkit.kernels.dispatch import may_overlap, register
+from quantkit.kernels.dispatch import register
 
 FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
 ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
@@ -100,13 +100,11 @@ def choose_tiles(bits, rows_out, batch, device, ext):
     return 1
 
 
-def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None,
-           overlap=False):
+def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
     planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
     must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
-    overlap: launch to overlap the previous kernel on the stream (dispatch.may_overlap says when).
     """
     ext = ext or build.load("anyprec")
     rows, cols = x2.shape
@@ -119,7 +117,7 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=No
         tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
     for start in range(0, rows, MAX_BATCH):
         ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
-                   out[start:start + MAX_BATCH], flags, tiles, overlap=overlap)
+                   out[start:start + MAX_BATCH], flags, tiles)
     return out
 
 
@@ -164,8 +162,7 @@ def forward(module, x):
                 module._cached = (key, weight)
         return F.linear(x, weight, bias)
     words = -(-cols // 32)
-    planes = prepared_planes(module)
-    y = matvec(x2, planes, lut, bits, words, bias, ext=ext, overlap=may_overlap(module, (planes, lut)))
+    y = matvec(x2, prepared_planes(module), lut, bits, words, bias, ext=ext)
     return y.reshape(*x.shape[:-1], rows_out)
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from quantkit.formats.bcq import bcq_from_uniform
 from quantkit.formats.uniform import num_groups
 from quantkit.kernels import build
-from quantkit.kernels.dispatch import may_overlap, register
+from quantkit.kernels.dispatch import register
 
 # Largest token count served by the LUT kernel, measured (benchmarks/bench_lutgemm.py "crossover",
 # H100, 2026-11-22): against a cached fp16 weight the LUT kernel loses from 12 tokens on 4096x4096,
@@ -86,19 +86,18 @@ def use_matvec(tokens, out_features, in_features, group_size):
     return 0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
 
 
-def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None, overlap=False):
+def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None):
     """x [n, d] (any float dtype, CUDA) @ weightᵀ (+ bias) with the LUT kernel (launches of at least
     mma_min_batch columns, default MMA_MIN_BATCH, on the tensor-core kernel) -> fp16 [n, k].
     workspace: a zero fp32 tensor of at least ops.workspace_floats(n, k) elements, which the kernels
-    leave zero (None: a fresh zeroed one per call, i.e. one memset more). overlap: launch to overlap
-    the previous kernel on the stream (dispatch.may_overlap says when the weights allow it)."""
+    leave zero (None: a fresh zeroed one per call, i.e. one memset more)."""
     ops = ops or kernels()
     x = x.to(torch.float16).contiguous()
     out = torch.empty(x.shape[0], t.out_features, dtype=torch.float16, device=x.device)
     if bias is not None:
         bias = bias.to(torch.float16).contiguous()
     ops.lut_gemm(x, t.qweight, t.alpha, t.offset, bias, t.group_size, out,
-                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace, overlap=overlap)
+                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace)
     return out
 
 
@@ -163,9 +162,7 @@ def linear(module, x, t: BCQTensors, ops):
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], k)
     if use_matvec(tokens, k, t.in_features, t.group_size):
-        workspace = kept_workspace(module, x.device, k, ops)
-        weights = [t.qweight, t.alpha] + ([t.offset] if t.offset is not None else [])
-        y = lut_matmul(x2, t, module.bias, ops, workspace=workspace, overlap=may_overlap(module, weights)).to(x.dtype)
+        y = lut_matmul(x2, t, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops)).to(x.dtype)
     else:
         bias = None if module.bias is None else module.bias.to(x.dtype)
         y = F.linear(x2, _dense_weight(module, t, x, ops), bias)

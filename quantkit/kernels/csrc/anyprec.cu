@@ -77,7 +77,6 @@
 
 #include "cp_async.h"
 #include "kernel_attrs.h"
-#include "pdl.h"
 #endif
 
 #define AP_HD __host__ __device__ __forceinline__
@@ -678,8 +677,6 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
     }
   }
   __syncthreads();
-  // only weights and tables were read so far: with an overlapped launch, x's writer may still run
-  qk::wait_for_previous_grid();
 
   const T* x = static_cast<const T*>(args.x);
   const T* xrow = g < args.B ? x + size_t(g) * args.ldx : nullptr;
@@ -791,15 +788,8 @@ bool has_matvec(int dtype, int k, int tiles, int flags) {
   return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
-// Where a matvec launches: the stream, and whether it may overlap the previous kernel there (pdl.h).
-struct LaunchOn {
-  cudaStream_t stream;
-  bool overlap;
-  int device;
-};
-
 template <typename T, int K, int TILES, int FLAGS>
-int launch_instance(const MatvecArgs& a, const LaunchOn& on) {
+int launch_instance(const MatvecArgs& a, cudaStream_t stream) {
   if constexpr (!compiled_rule(std::is_same<T, __half>::value, K, TILES, FLAGS)) {
     return kUnsupported;
   } else {
@@ -809,14 +799,13 @@ int launch_instance(const MatvecArgs& a, const LaunchOn& on) {
     const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
     if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
-    // a launch error stays cudaGetLastError's, which the op's launch check reports
-    qk::launch(kernel, blocks, kThreads, C::SMEM_BYTES, on.stream, on.overlap, on.device, a);
+    kernel<<<blocks, kThreads, C::SMEM_BYTES, stream>>>(a);
     return kOk;
   }
 }
 
 template <typename T, int TILES, int FLAGS>
-int launch_k(int k, const MatvecArgs& a, const LaunchOn& s) {
+int launch_k(int k, const MatvecArgs& a, cudaStream_t s) {
   switch (k) {
     case 1: return launch_instance<T, 1, TILES, FLAGS>(a, s);
     case 2: return launch_instance<T, 2, TILES, FLAGS>(a, s);
@@ -831,7 +820,7 @@ int launch_k(int k, const MatvecArgs& a, const LaunchOn& s) {
 }
 
 template <typename T, int TILES>
-int launch_flags(int k, int flags, const MatvecArgs& a, const LaunchOn& s) {
+int launch_flags(int k, int flags, const MatvecArgs& a, cudaStream_t s) {
   switch (flags) {
     case 0: return launch_k<T, TILES, 0>(k, a, s);
     case 3: return launch_k<T, TILES, 3>(k, a, s);
@@ -844,15 +833,15 @@ int launch_flags(int k, int flags, const MatvecArgs& a, const LaunchOn& s) {
 }
 
 // dtype: 0 = fp16, 1 = bf16
-int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, const LaunchOn& on) {
+int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, cudaStream_t stream) {
   MatvecArgs a = args;
   for (int i = 0; i < 32; ++i) a.pow2.v[i] = 1u << i;
   if (a.B < 1 || a.B > kMaxBatch || a.M < 1 || a.W < 1 || a.wstride < a.W || a.wstride % 4 != 0 || a.ldx < 32 * a.W)
     return kBadArgs;
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
   flags = normalize_flags(k, flags);
-  if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, on) : launch_flags<__nv_bfloat16, 1>(k, flags, a, on);
-  return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, on) : launch_flags<__nv_bfloat16, 2>(k, flags, a, on);
+  if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 1>(k, flags, a, stream);
+  return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 2>(k, flags, a, stream);
 }
 
 // dtype: 0 = fp16, 1 = bf16, 2 = fp32
@@ -915,11 +904,10 @@ void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, in
 
 // out[b, r] = sum_c x[b, c] * lut[r, code_k(r, c)] (+ bias[r]); x [B <= 8, ldx] holds at least
 // 32 * words columns, zero past in_features; planes in the layout `flags` says (LAYOUT bit set:
-// anyprec_gemm.kernel_layout). overlap: launch with PDL (pdl.h; the planes and lut must not be the
-// previous kernel's output). Returns out.
+// anyprec_gemm.kernel_layout). Returns out.
 at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& lut, int64_t k,
                           int64_t words, const std::optional<at::Tensor>& bias, const at::Tensor& out, int64_t flags,
-                          int64_t tiles, bool overlap) {
+                          int64_t tiles) {
   check_planes(planes, lut, k, words);
   const int dt = dtype_code(x);
   QK_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
@@ -959,8 +947,7 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),
                         int(M), int(words), int(planes.size(2)), reinterpret_cast<const uint16_t*>(lut.data_ptr()),
                         bias_ptr, out.data_ptr(), {}};
-  const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a,
-                                        {c10::cuda::getCurrentCUDAStream(), overlap, x.device().index()});
+  const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, c10::cuda::getCurrentCUDAStream());
   QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc), ") for x ", x.sizes(), ", planes ", planes.sizes(),
               ", bits=", k, ", words=", words, ", tiles=", tiles, ", flags=", flags);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

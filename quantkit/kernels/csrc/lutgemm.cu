@@ -108,7 +108,6 @@ inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fe
 #define QK_HOST_EMU
 #endif
 #include "cp_async.h"
-#include "pdl.h"
 
 namespace lutgemm {
 
@@ -531,8 +530,6 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
     }
     commit_async();
   }
-  // only weights were read so far: with an overlapped launch, the previous kernel (x's writer) may still run
-  qk::wait_for_previous_grid();
   load_x<BP>(p, cur.c, lane, xh);
 
   for (int slot = 0; remaining > 0; slot = slot + 1 == S ? 0 : slot + 1) {
@@ -835,7 +832,6 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
-  qk::wait_for_previous_grid();  // the ring copies x along with the weights: no overlap of the first loads
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int q = p.q, planes = p.planes, stage_bytes = mma_stage_bytes(q, planes);
   long long remaining = s1 - s0, to_issue = s1 - s0;
@@ -1182,11 +1178,10 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 
 // y[n, k] = x[n, d] · wᵀ (+ bias), all fp16, as launches of at most 8 columns on `stream`; a launch
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
-// ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. overlap: launch with PDL (pdl.h; the
-// weights must not be the previous kernel's output). Returns the first launch error.
+// ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
-                              int blocks, bool overlap, int device, cudaStream_t stream) {
+                              int blocks, int device, cudaStream_t stream) {
   using namespace lutgemm;
   static int sm_count[64] = {0};  // per device, asked once
   cudaError_t err = cudaSuccess;
@@ -1209,15 +1204,17 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
-      err = qk::launch(mma_kernel(), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, device, pm);
+      mma_kernel()<<<grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream>>>(pm);
+      err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       continue;
     }
     const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
-    if (bp == 1) err = qk::launch(lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes, stream, overlap, device, p);
-    else if (bp == 2) err = qk::launch(lut_kernel<2>(), grid, kThreads, Cfg<2>::kSmemBytes, stream, overlap, device, p);
-    else if (bp == 4) err = qk::launch(lut_kernel<4>(), grid, kThreads, Cfg<4>::kSmemBytes, stream, overlap, device, p);
-    else err = qk::launch(lut_kernel<8>(), grid, kThreads, Cfg<8>::kSmemBytes, stream, overlap, device, p);
+    if (bp == 1) lut_kernel<1>()<<<grid, kThreads, Cfg<1>::kSmemBytes, stream>>>(p);
+    else if (bp == 2) lut_kernel<2>()<<<grid, kThreads, Cfg<2>::kSmemBytes, stream>>>(p);
+    else if (bp == 4) lut_kernel<4>()<<<grid, kThreads, Cfg<4>::kSmemBytes, stream>>>(p);
+    else lut_kernel<8>()<<<grid, kThreads, Cfg<8>::kSmemBytes, stream>>>(p);
+    err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -1293,7 +1290,7 @@ int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
-                      const std::optional<at::Tensor>& workspace, int64_t blocks, bool overlap) {
+                      const std::optional<at::Tensor>& workspace, int64_t blocks) {
   QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
   const int64_t n = x.size(0), d = x.size(1);
@@ -1338,7 +1335,7 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                                             ptr_or_null(offset), ptr_or_null(bias), out.data_ptr(), ws.data_ptr<float>(),
                                             int(q), int(W), int(k), int(G), int(group_size),
                                             int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
-                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), overlap, x.device().index(),
+                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), x.device().index(),
                                             c10::cuda::getCurrentCUDAStream());
   QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", n, ", ", d, "], weight ", k, "x", d, ", q = ", q,
               ", g = ", group_size, ", offset = ", offset.has_value(), ": ", cudaGetErrorString(err));

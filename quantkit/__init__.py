@@ -14,12 +14,8 @@ def load(path, device="cpu", dtype=None, verify=True, bits=None):
     `model.generate` uses the KV cache anyway when called with use_cache=True
     (quantkit.runtime.generate.generate_text does).
     """
-    import torch
-
     from quantkit.pipeline import resolve_device, resolve_dtype
     from quantkit.runtime.loader import load_quantized
 
     device = resolve_device(device)
-    if not isinstance(dtype, torch.dtype):
-        dtype = resolve_dtype(dtype, device)
-    return load_quantized(path, device=device, dtype=dtype, verify=verify, bits=bits)
+    return load_quantized(path, device=device, dtype=resolve_dtype(dtype, device), verify=verify, bits=bits)

@@ -168,15 +168,18 @@ def _readable_as_umask_allows(path):
     os.chmod(path, 0o666 & ~umask)
 
 
+def declares_quantkit(config) -> bool:
+    """Whether a parsed config.json declares a quantkit artifact (content not checked)."""
+    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(qcfg, dict) and qcfg.get("quant_method") == "quantkit"
+
+
 def is_quantkit_artifact(path) -> bool:
     """Whether `path` is a directory whose config.json declares a quantkit artifact (content not checked)."""
-    config = Path(path) / CONFIG
     try:
-        data = json.loads(config.read_text())
+        return declares_quantkit(json.loads((Path(path) / CONFIG).read_text()))
     except (OSError, ValueError):
         return False
-    qcfg = data.get("quantization_config") if isinstance(data, dict) else None
-    return isinstance(qcfg, dict) and qcfg.get("quant_method") == "quantkit"
 
 
 def check_out_dir(out_dir, overwrite):

@@ -31,6 +31,9 @@ def resolve_device(device):
 
 
 def resolve_dtype(dtype, device):
+    """A torch.dtype from a dtype, its name ("float16", ...) or None (float16 on cuda, float32 on cpu)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype is None:
         return torch.float16 if device.startswith("cuda") else torch.float32
     if dtype not in DTYPES:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit import settings
-from quantkit.artifact import is_quantkit_artifact
+from quantkit.artifact import declares_quantkit
 from quantkit.errors import QuantkitError
 
 log = logging.getLogger(__name__)
@@ -46,16 +46,17 @@ def resolve_source(src) -> Source:
             raise QuantkitError(f"GGUF file not found: {path}")
         return Source("gguf", str(path.resolve().parent), path.name)
     if path.is_dir():
-        if is_quantkit_artifact(path):
-            return Source("artifact", str(path))
-        if not (path / "config.json").is_file():
+        config_path = path / "config.json"
+        if not config_path.is_file():
             raise QuantkitError(f"{path} is a directory but has no config.json (not a Hugging Face model)")
         try:
-            config = json.loads((path / "config.json").read_text())
+            config = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
-            raise QuantkitError(f"{path / 'config.json'}: unreadable ({exc})") from None
+            raise QuantkitError(f"{config_path}: unreadable ({exc})") from None
+        if declares_quantkit(config):
+            return Source("artifact", str(path))
         if not isinstance(config, dict) or not isinstance(config.get("quantization_config", {}), dict):
-            raise QuantkitError(f"{path / 'config.json'}: not a Hugging Face model config (expected a JSON object)")
+            raise QuantkitError(f"{config_path}: not a Hugging Face model config (expected a JSON object)")
         return Source("hf_dir", str(path))
     if path.exists():
         raise QuantkitError(f"{path} is neither a model directory nor a .gguf file")

@@ -5,8 +5,9 @@
 Each variant runs 32 times inside one CUDA graph (as the 32 layers of a step would), timed over graph
 replays with CUDA events (median of 5); µs per call:
   attention   SDPA with an additive mask over the static cache (L cached positions, one query): its
-              cudnn, efficient and math backends, a torch.compile'd expression of the same product, and
-              FlexAttention masked by a position tensor
+              cudnn, efficient and math backends, a torch.compile'd expression of the same product,
+              FlexAttention masked by a position tensor, and runtime.decode_attention (split over the
+              cache, positions past the current one not read)
   kv write    transformers' StaticLayer.update (arange + add for the position, an add_ to its counter,
               two index_copy_), two plain index_copy_, and the two compiled together (runtime.generate)
   add + norm  the residual add then the compiled RMSNorm (runtime.fusion), against both compiled together
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from quantkit.runtime import decode_attention as split_attention
 
 HEADS, HEAD_DIM, HIDDEN = 32, 128, 4096
 
@@ -95,6 +98,16 @@ def attention_rows(lengths):
         rows.append({"piece": "attention", "cached": length, "variant": "torch.compile", "us":
                      graph_us(lambda: compiled(q, k, v, mask)), "max_abs_err": (out.float() - want).abs().max().item()})
         rows.append(flex_row(q, k, v, length, want))
+        if split_attention.available():
+            position = torch.tensor([[length // 2]], device="cuda")  # the mask's last kept position
+            counters = split_attention.counters(1, HEADS, "cuda")
+
+            def split():
+                return split_attention.decode(q, k, v, position, HEAD_DIM**-0.5, counters)
+
+            out = split().transpose(1, 2)
+            rows.append({"piece": "attention", "cached": length, "variant": "split (decode_attention)",
+                         "us": graph_us(split), "max_abs_err": (out.float() - want).abs().max().item()})
     return rows
 
 

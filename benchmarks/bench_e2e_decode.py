@@ -20,10 +20,13 @@ graph's first tokens equal eager decoding's. Share of the linears: 1 - (the same
 decoder linears answering from a preallocated buffer, no kernel) / (the real step); the part outside
 them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
 RMSNorms, the rotary embedding and SiLU*mul into one kernel each; "full" also stacks q/k/v and gate/up
-into one linear each (one launch over the stacked rows). Both apply to fp16 and every format alike, and
-speedups compare formats at the same fusion.
-GB/s: bytes a decode step must read (linears as served, lm_head, norms, the static KV cache's
-max_len positions, which attention reads masked) / step time.
+into one linear each (one launch over the stacked rows). Attention "split" (the default) attends in decode
+steps with runtime.decode_attention (the cache split over many programs, positions past the current one
+not read), "sdpa" with transformers' SDPA over the whole masked cache. Fusion and attention apply to fp16
+and every format alike, and speedups compare formats at the same fusion and attention.
+GB/s: bytes a decode step must read (linears as served, lm_head, norms, and the KV cache: all max_len
+positions under SDPA, which reads them masked, the positions up to the current one under split
+attention) / step time.
 """
 
 import argparse
@@ -161,7 +164,9 @@ def linear_bytes(modules):
     return total
 
 
-def step_bytes(model, linears, max_len):
+def step_bytes(model, linears, cached_positions):
+    """Bytes a decode step reads: linears as served, the rest of the weights it touches, the KV cache's
+    `cached_positions` (the whole static cache under SDPA; the mean attended under split attention)."""
     cfg = model.config
     others = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                  if ".layers." not in n or "norm" in n)
@@ -169,7 +174,7 @@ def step_bytes(model, linears, max_len):
     if model.config.tie_word_embeddings:
         others += model.model.embed_tokens.weight.numel() * 2
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * max_len * 2
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * cached_positions * 2
     return linear_bytes(linears) + others + kv
 
 
@@ -193,9 +198,9 @@ def stub_forward(module, tokens):
     return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
 
 
-def captured_step_ms(model, prompt, max_len, steps):
+def captured_step_ms(model, prompt, max_len, steps, attention):
     """(ms per CUDA-graph decode step over `steps` replays after a prefill of `prompt`, the decoder)."""
-    decoder = StaticGreedyDecoder(model, max_len=max_len)
+    decoder = StaticGreedyDecoder(model, max_len=max_len, attention=attention)
     decoder.prefill(prompt)
     decoder.capture()
     decoder.prefill(prompt)
@@ -209,22 +214,22 @@ def captured_step_ms(model, prompt, max_len, steps):
     return start.elapsed_time(end) / steps, decoder
 
 
-def linear_free_ms(model, modules, prompt, max_len, steps):
+def linear_free_ms(model, modules, prompt, max_len, steps, attention):
     """ms per CUDA-graph decode step with every module of `modules` stubbed (stub_forward), the rest of
     the step unchanged: the time a step spends outside those linears."""
     for m in modules:
         m.forward = stub_forward(m, prompt.numel())
     try:
-        return captured_step_ms(model, prompt, max_len, steps)[0]
+        return captured_step_ms(model, prompt, max_len, steps, attention)[0]
     finally:
         for m in modules:
             del m.forward  # back to the class's forward
 
 
-def time_decode(model, prompt, gen, repeats, use_graph, share_modules=None):
+def time_decode(model, prompt, gen, repeats, use_graph, attention, share_modules=None):
     """One format, one generation length: check, capture, timed runs, optional linear-free step."""
     out = {"gen_tokens": gen}
-    decoder = StaticGreedyDecoder(model, max_len=prompt.shape[1] + gen)
+    decoder = StaticGreedyDecoder(model, max_len=prompt.shape[1] + gen, attention=attention)
     check = min(CHECK_TOKENS, gen)
     eager = decoder.generate(prompt, check)  # also the kernels' first use, outside any capture
     if use_graph:
@@ -256,15 +261,15 @@ def time_decode(model, prompt, gen, repeats, use_graph, share_modules=None):
     out.update(prefill_ms=prefill_ms, decode_ms=decode_ms, ms_per_token=ms_token, tokens_per_s=1000 / ms_token,
                e2e_tokens_per_s=1000 * gen / (prefill_ms + decode_ms), runs_ms=runs,
                graph_eager_agreement=(tokens[:, :check] == eager).float().mean().item(),
-               max_len=decoder.max_len)
+               max_len=decoder.max_len, split_attention=decoder.split_attention)
     del decoder
     if share_modules is not None and out["cuda_graph"]:
-        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 6)
+        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 6, attention)
         out["linear_share"] = 1 - out["linear_free_ms"] / ms_token
     return out
 
 
-def run_format(fmt, fusion, model, modules, prompt, args, results):
+def run_format(fmt, fusion, attention, model, modules, prompt, args, results):
     start = time.perf_counter()
     serves = kernel_serves(modules)  # the first probe of a format builds its extension (minutes, once)
     if time.perf_counter() - start > 5:
@@ -277,29 +282,32 @@ def run_format(fmt, fusion, model, modules, prompt, args, results):
     stacking = fuse_projections(model) if fusion == "full" else None  # after set_bits: stacks copy the bit-width
     try:
         in_use = list(decoder_linears(model).values())  # the stacked modules instead of q/k/v, gate/up when fused
-        _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves)
+        _run_lengths(fmt, fusion, attention, bits, model, modules, in_use, prompt, args, results, serves)
     finally:
         if stacking is not None:
             stacking.undo()
 
 
-def _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, results, serves):
+def _run_lengths(fmt, fusion, attention, bits, model, modules, in_use, prompt, args, results, serves):
     """Every generation length of one format and fusion; bytes and bits/w count the unstacked `modules`."""
     linears_read = linear_bytes(modules)
     numel = sum(m.in_features * m.out_features for m in modules)
     for i, gen in enumerate(args.gen):
         if not serves and not args.include_reference:
             log(f"  {fmt}: no CUDA kernel serves it; skipped (--include-reference times the PyTorch path)")
-            results.append({"format": fmt, "fusion": fusion, "gen_tokens": gen, "skipped": "no kernel"})
+            results.append({"format": fmt, "fusion": fusion, "attention": attention, "gen_tokens": gen,
+                            "skipped": "no kernel"})
             continue
         torch.cuda.reset_peak_memory_stats()
-        row = time_decode(model, prompt, gen, args.repeats, not args.no_graph,
+        row = time_decode(model, prompt, gen, args.repeats, not args.no_graph, attention,
                           share_modules=in_use if i == 0 and not args.no_share else None)
-        row.update(format=fmt, fusion=fusion, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
+        row.update(format=fmt, fusion=fusion, attention=attention, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9)
-        row["gb_per_s"] = step_bytes(model, modules, row["max_len"]) / (row["ms_per_token"] / 1000) / 1e9
+        # split attention reads positions 0..current only: prompt + gen / 2 of them on average
+        cached = (prompt.shape[1] + gen / 2) if row["split_attention"] else row["max_len"]
+        row["gb_per_s"] = step_bytes(model, modules, cached) / (row["ms_per_token"] / 1000) / 1e9
         results.append(row)
-        log(f"  {fmt} ({fusion}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
+        log(f"  {fmt} ({fusion}, {attention}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
             + ("" if row["cuda_graph"] else "  (eager: " + row.get("graph_error", "--no-graph") + ")"))
         torch.cuda.empty_cache()
 
@@ -308,25 +316,27 @@ def _run_lengths(fmt, fusion, bits, model, modules, in_use, prompt, args, result
 
 
 def add_speedups(results):
-    """Speedup over fp16 with the same fusion and generation length."""
-    base = {(r["fusion"], r["gen_tokens"]): r["tokens_per_s"] for r in results
+    """Speedup over fp16 with the same fusion, attention and generation length."""
+    base = {(r["fusion"], r["attention"], r["gen_tokens"]): r["tokens_per_s"] for r in results
             if r["format"] == "fp16" and "tokens_per_s" in r}
     for r in results:
-        key = (r["fusion"], r["gen_tokens"])
+        key = (r["fusion"], r["attention"], r["gen_tokens"])
         if "tokens_per_s" in r and key in base:
             r["speedup"] = r["tokens_per_s"] / base[key]
 
 
 def table(results):
-    cols = ["format", "fusion", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
+    cols = ["format", "fusion", "attention", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
             "linear share", "graph", "graph=eager", "peak GB"]
     rows = []
     for r in results:
         if "skipped" in r:
-            rows.append([r["format"], r["fusion"], "-", str(r["gen_tokens"]), f"skipped: {r['skipped']}"] + ["-"] * 9)
+            rows.append([r["format"], r["fusion"], r["attention"], "-", str(r["gen_tokens"]),
+                         f"skipped: {r['skipped']}"] + ["-"] * 9)
             continue
         share = r.get("linear_share")
-        rows.append([r["format"], r["fusion"], f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
+        attention = r["attention"] if r["split_attention"] or r["attention"] == "sdpa" else "sdpa (no Triton)"
+        rows.append([r["format"], r["fusion"], attention, f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
                      f"{r['ms_per_token']:.3f}", f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup']:.2f}x" if "speedup" in r else "-", f"{r['e2e_tokens_per_s']:.1f}",
                      f"{r['prefill_ms']:.1f}", f"{r['gb_per_s']:.0f}", "-" if share is None else f"{share:.1%}",
@@ -337,15 +347,17 @@ def table(results):
     return "\n".join(lines)
 
 
-def goal_lines(results, gen, fusions):
+def goal_lines(results, gen, fusions, attentions):
     lines = []
     for fusion in fusions:
-        for fmt, goal in GOALS.items():
-            row = next((r for r in results if r["format"] == fmt and r["fusion"] == fusion and r["gen_tokens"] == gen
-                        and "speedup" in r), None)
-            if row is not None:
-                verdict = "met" if row["speedup"] >= goal else "MISSED"
-                lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({fusion}): {row['speedup']:.2f}x {verdict}")
+        for attention in attentions:
+            for fmt, goal in GOALS.items():
+                row = next((r for r in results if r["format"] == fmt and r["fusion"] == fusion
+                            and r["attention"] == attention and r["gen_tokens"] == gen and "speedup" in r), None)
+                if row is not None:
+                    verdict = "met" if row["speedup"] >= goal else "MISSED"
+                    lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({fusion}, {attention}): "
+                                 f"{row['speedup']:.2f}x {verdict}")
     return lines
 
 
@@ -363,6 +375,9 @@ def main():
                     help="comma list of: none; pointwise (RMSNorm, rotary and SiLU*mul compiled); full (pointwise, "
                          "and q/k/v and gate/up stacked into one linear each); runtime.fusion, applied to fp16 and "
                          "every format alike [%(default)s]")
+    ap.add_argument("--attention", default="split",
+                    help="comma list of: split (runtime.decode_attention in decode steps; SDPA where Triton is "
+                         "missing); sdpa (transformers' SDPA over the masked static cache) [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)
@@ -389,6 +404,9 @@ def main():
     fusions = args.fusion.split(",")
     if not fusions or set(fusions) - {"none", "pointwise", "full"}:
         raise SystemExit(f"--fusion takes none, pointwise, full; got {args.fusion}")
+    attentions = args.attention.split(",")
+    if not attentions or set(attentions) - {"split", "sdpa"}:
+        raise SystemExit(f"--attention takes split, sdpa; got {args.attention}")
     families = []
     for fmt in formats:
         if family_of(fmt) not in families:
@@ -401,7 +419,8 @@ def main():
             for fusion in fusions:
                 if fusion in ("pointwise", "full"):
                     fuse_pointwise(model)
-                run_format(fmt, fusion, model, modules, prompt, args, results)
+                for attention in attentions:
+                    run_format(fmt, fusion, attention, model, modules, prompt, args, results)
                 unfuse_pointwise(model)
         restore(model, dense)
         del modules
@@ -414,7 +433,7 @@ def main():
     print(f"{props.name}, torch {torch.__version__}, transformers {transformers.__version__}; Llama-2-7B shapes, "
           f"{args.layers} layers, batch 1, prompt {args.prompt_len}, greedy, static cache + CUDA graph per step")
     print(table(results))
-    for line in goal_lines(results, args.gen[0], fusions):
+    for line in goal_lines(results, args.gen[0], fusions, attentions):
         print(line)
     total = time.perf_counter() - started
     print(f"total {total:.0f} s")
@@ -424,6 +443,7 @@ def main():
             "device": props.name, "torch": torch.__version__, "transformers": transformers.__version__,
             "config": {**LLAMA2_7B, "num_hidden_layers": args.layers}, "prompt_len": args.prompt_len,
             "gen": args.gen, "repeats": args.repeats, "group_size": GROUP, "fusions": fusions,
+            "attentions": attentions,
             "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT}, "seconds": round(total, 1),
             "results": results}, indent=2))
 

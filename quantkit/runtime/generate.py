@@ -18,6 +18,9 @@ buffer, one compiled function per layer on CUDA (two small kernels). transformer
 same write as five kernels (an arange and two adds for a device-side position counter, then two
 index_copy_): 8.4 µs per layer on an H100 against 2.3 µs, 0.24 ms of every Llama-2-7B decode step
 whatever the weight format. Prefill keeps transformers' own update (it allocates the cache on first use).
+
+On CUDA with Triton, decode steps also attend with `decode_attention` (the cache split over many
+programs, positions past the current one not read) instead of SDPA over the whole masked cache.
 """
 
 import functools
@@ -27,6 +30,7 @@ import time
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime import decode_attention
 
 
 def _sync(device):
@@ -210,9 +214,12 @@ class StaticGreedyDecoder:
     cached positions every step, masked, as with transformers' own static cache). A captured graph
     freezes whatever the model did while capturing: capture again after changing it
     (QuantLinear.set_bits, use_kernels, new weights).
+
+    attention: "split" attends in decode steps with `decode_attention` where it can serve them (CUDA,
+    Triton, an SDPA model), "sdpa" keeps transformers' SDPA over the masked cache.
     """
 
-    def __init__(self, model, max_len, batch_size=1):
+    def __init__(self, model, max_len, batch_size=1, attention="split"):
         from transformers import StaticCache
 
         self.model = model
@@ -236,6 +243,14 @@ class StaticGreedyDecoder:
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):
             raise QuantkitError(f"StaticGreedyDecoder needs sdpa or eager attention (its mask is additive), not {attn}")
+        if attention not in ("split", "sdpa"):
+            raise QuantkitError(f"attention must be 'split' or 'sdpa', not {attention!r}")
+        # the split kernel replaces SDPA only: an "eager" model keeps its own attention
+        self.split_attention = (attention == "split" and attn == "sdpa" and self.device.type == "cuda"
+                                and decode_attention.available())
+        if self.split_attention:  # rows share one position
+            self._attention_step = decode_attention.DecodeStep(
+                self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device))
 
     def _update_cache(self, key_states, value_states, layer_idx, *args, **kwargs):
         kv = _static_layer_kv(self.cache, layer_idx) if self._in_step else None
@@ -258,7 +273,17 @@ class StaticGreedyDecoder:
             kwargs["cache_position"] = positions[0]
         if self._keep_arg:
             kwargs[self._keep_arg] = 1
-        logits = self.model(**kwargs).logits[:, -1]
+        if not (self._in_step and self.split_attention):
+            return self.model(**kwargs).logits[:, -1].argmax(dim=-1, keepdim=True)
+        # the step's attention calls go to decode_attention (which falls back to SDPA for anything it
+        # does not serve); the model's own setting is restored at once, so nothing else sees the switch
+        config = self.model.config
+        kwargs[decode_attention.STEP_KWARG] = self._attention_step
+        config._attn_implementation = decode_attention.register()
+        try:
+            logits = self.model(**kwargs).logits[:, -1]
+        finally:
+            config._attn_implementation = "sdpa"
         return logits.argmax(dim=-1, keepdim=True)
 
     def _step(self):

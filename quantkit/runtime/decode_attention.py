@@ -1,0 +1,174 @@
+"""Attention for one decode step over a static KV cache, split over the cache (flash-decoding), in Triton.
+
+In a decode step each sequence has one query token. transformers' SDPA call reads all max_len
+positions of a static cache under an additive mask, and its kernels give each (sequence, head) one
+thread block: 32 blocks for Llama-2-7B on a 132-SM H100, each streaming its head's whole cache, 8.2 µs a
+layer at 256 cached positions and 11.5 µs at 1152. Here the cache of each (sequence, head) is cut into
+chunks of CHUNK positions, one program per chunk: it computes its chunk's softmax statistics (max,
+sum) and weighted value sum in fp32, skipping positions past the current one (read nowhere, not masked
+after reading), and the last of a head's programs to finish (a counter per head) merges the chunks, so
+one launch does it all. The current position comes from a device tensor, so one CUDA-graph step serves
+every position.
+
+`StaticGreedyDecoder` routes its decode steps here (`attention_forward`, registered with transformers
+under ATTENTION_NAME); everything else, and every case this kernel does not cover, goes to transformers'
+SDPA function unchanged.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION_NAME = "quantkit_static_decode"
+STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's forward kwargs
+CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
+NUM_WARPS = 2  # measured against 4 and 8 (benchmarks/sweep_decode_attention.py): as fast or faster at 256-4096 positions
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class DecodeStep:
+    """What a decode step's attention calls need beyond transformers' arguments."""
+
+    position: torch.Tensor  # its first element: the step's cache position (the last one attended)
+    head_counters: torch.Tensor  # from counters(batch, heads): zero, and left zero by every call
+
+
+def reference(query, keys, values, position, scale):
+    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (H a multiple of Hkv), position: an integer tensor
+    whose first element is the last cache position to attend -> [B, 1, H, D] in fp32."""
+    last = int(position.reshape(-1)[0])
+    group = query.shape[1] // keys.shape[1]
+    k = keys[:, :, : last + 1].float().repeat_interleave(group, dim=1)
+    v = values[:, :, : last + 1].float().repeat_interleave(group, dim=1)
+    p = torch.softmax(query.float() @ k.transpose(-1, -2) * scale, dim=-1)
+    return (p @ v).transpose(1, 2)
+
+
+@functools.cache
+def _kernels():
+    """The attention kernel, compiled by Triton on first launch; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, count_ptr, out_ptr,
+                      q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, qk_scale, length,
+                      H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                      SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kv_head = h // GROUP
+        last = tl.load(pos_ptr)
+        d = tl.arange(0, D)
+        n = split * CHUNK + tl.arange(0, CHUNK)
+        live = (n <= last) & (n < length)
+        # keys and values are both loaded before any arithmetic, so their reads overlap
+        k = tl.load(k_ptr + b * k_sb + kv_head * k_sh + n[:, None] * k_sn + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + b * v_sb + kv_head * v_sh + n[:, None] * v_sn + d[None, :], mask=live[:, None], other=0.0)
+        # qk_scale carries log2(e): the softmax is in base 2
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + d).to(tl.float32) * qk_scale
+        s = tl.where(live, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+        m = tl.max(s, axis=0)
+        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m))  # an empty chunk: p = 0, not NaN
+        acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        # this chunk's partial result: [acc (D), max, sum] at its slot
+        row = part_ptr + (bh * SPLITS + split) * (D + 2)
+        tl.store(row + d, acc)
+        tl.store(row + D, m)
+        tl.store(row + D + 1, tl.sum(p, axis=0))
+        # the head's last chunk to finish merges them all: the barrier puts every thread's stores before
+        # the counter's release (acq_rel, GPU scope); the merge reads through L2 (.cg), as L1 may hold
+        # an earlier call's partials
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            sp = tl.arange(0, SPLITS_POW2)
+            used = sp < SPLITS
+            rows = part_ptr + (bh * SPLITS + sp) * (D + 2)
+            ms = tl.load(rows + D, mask=used, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(rows + D + 1, mask=used, other=0.0, cache_modifier=".cg")
+            accs = tl.load(rows[:, None] + d[None, :], mask=used[:, None], other=0.0, cache_modifier=".cg")
+            w = tl.exp2(ms - tl.max(ms, axis=0))  # chunk 0 holds position 0: the max is finite; empty chunks 0
+            out = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
+            tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+            tl.store(count_ptr + bh, 0)  # zero again for the next call
+
+    return attend_kernel
+
+
+def available():
+    """Whether Triton is importable (the kernels compile on first launch)."""
+    return _kernels() is not None
+
+
+def supported(query, keys, values, dropout=0.0):
+    """Whether `decode` can serve this call (else: transformers' SDPA function)."""
+    b, h, q_len, d = query.shape
+    return (q_len == 1 and dropout == 0.0 and query.is_cuda and available()
+            and query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype == values.dtype
+            and keys.shape[0] == b and h % keys.shape[1] == 0 and keys.shape[-1] == d and values.shape == keys.shape
+            and d <= MAX_HEAD_DIM and d & (d - 1) == 0
+            and query.stride(-1) == keys.stride(-1) == values.stride(-1) == 1)
+
+
+def counters(batch, heads, device):
+    """The zeroed per-head counters `decode` needs (it leaves them zero): make them once, outside any
+    CUDA-graph capture, and use them from one stream at a time."""
+    return torch.zeros(batch * heads, dtype=torch.int32, device=device)
+
+
+def decode(query, keys, values, position, scale, head_counters=None, chunk=CHUNK, num_warps=NUM_WARPS):
+    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), position: a
+    CUDA integer tensor whose first element is the last cache position to attend (0-based; later positions
+    are not read) -> [B, 1, H, D] in the query's dtype (the layout transformers' attention functions return).
+    head_counters: from `counters(B, H)` (None: fresh ones, one memset more). chunk (a power of 2) and
+    num_warps: the work split, for measuring others than the defaults."""
+    b, h, _, d = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if head_counters is None:
+        head_counters = counters(b, h, query.device)
+    if head_counters.numel() < b * h:
+        raise ValueError(f"{head_counters.numel()} attention counters for {b * h} heads")
+    splits = -(-length // chunk)
+    partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
+    out = torch.empty(b, 1, h, d, dtype=query.dtype, device=query.device)
+    log2e = 1.4426950408889634
+    _kernels()[(b * h, splits)](
+        query, keys, values, position, partials, head_counters, out,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), scale * log2e, length,
+        H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
+        SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), num_warps=num_warps)
+    return out
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """A transformers attention function: the split kernel for a decode step that passed a DecodeStep
+    (STEP_KWARG), transformers' SDPA function otherwise (prefill, other callers, unsupported cases)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    step = kwargs.pop(STEP_KWARG, None)
+    plain = (kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+             and getattr(module, "sliding_window", None) is None)
+    if step is not None and plain and supported(query, key, value, dropout):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return decode(query, key, value, step.position, scale, step.head_counters), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@functools.cache
+def register():
+    """Make ATTENTION_NAME a transformers attention implementation (masks built as for SDPA); once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return ATTENTION_NAME

@@ -1,0 +1,146 @@
+"""The split-cache decode attention (runtime.decode_attention): the Triton kernels against an fp32
+reference, on CUDA and, without a GPU, through Triton's interpreter (the same kernel code on the CPU);
+the reference against PyTorch's SDPA with the decoder's additive mask; and the transformers attention
+function's fallback to SDPA for whatever the kernels do not serve.
+
+Cache positions past the current one hold NaN: the kernels must not read them (a read NaN would
+survive any mask), so each case also checks that nothing past the position leaks in. One set of head
+counters serves all the cases in turn, as one serves every layer of a decode step: a call that did not
+leave them zero would make the next merge early or never.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantkit.runtime import decode_attention as da
+
+# (batch, heads, kv heads, cache length, head dim, last attended position)
+CASES = [
+    (1, 4, 4, 256, 128, 100),  # Llama-2-7B head size, one chunk partly used
+    (2, 6, 2, 200, 64, 199),  # GQA, the cache's last position, a length not a multiple of the chunk
+    (1, 2, 1, 64, 64, 0),  # only position 0
+    (1, 3, 3, 130, 32, 63),  # the last position of a chunk
+    (1, 3, 3, 130, 32, 64),  # the first position of the next chunk
+]
+
+
+def _case(batch, heads, kv_heads, length, dim, last, dtype=torch.float16, device="cpu"):
+    g = torch.Generator().manual_seed(length * 31 + last)
+    query = torch.randn(batch, 1, heads, dim, generator=g).to(device, dtype).transpose(1, 2)  # as the model's view
+    keys = torch.randn(batch, kv_heads, length, dim, generator=g).to(device, dtype)
+    values = torch.randn(batch, kv_heads, length, dim, generator=g).to(device, dtype)
+    keys[:, :, last + 1 :] = float("nan")
+    values[:, :, last + 1 :] = float("nan")
+    position = torch.full((batch, 1), last, dtype=torch.long, device=device)
+    return query, keys, values, position
+
+
+def _rel_error(got, want):
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c))
+def test_reference_equals_sdpa_with_the_decoders_mask(case):
+    query, keys, values, position = _case(*case)
+    batch, heads, kv_heads, length, dim, last = case
+    keys, values = keys.nan_to_num(0.0), values.nan_to_num(0.0)  # SDPA multiplies masked values by zero weights
+    mask = torch.zeros(batch, 1, 1, length)
+    mask[..., last + 1 :] = float("-inf")
+    group = heads // kv_heads
+    want = F.scaled_dot_product_attention(query.float(), keys.float().repeat_interleave(group, 1),
+                                          values.float().repeat_interleave(group, 1), attn_mask=mask)
+    got = da.reference(query, keys, values, position, dim**-0.5)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+# Triton picks interpreted or compiled kernels when it is imported, so the interpreter runs in a fresh
+# process with TRITON_INTERPRET=1 (another test may have imported Triton already)
+_INTERPRETED = """
+import json, sys, torch
+sys.path[:0] = {paths!r}
+from test_decode_attention import CASES, _case, _rel_error
+from quantkit.runtime import decode_attention as da
+report = []
+shared = da.counters(8, 8, "cpu")
+for case in CASES:
+    query, keys, values, position = _case(*case)
+    got = da.decode(query, keys, values, position, case[4] ** -0.5, shared)
+    report.append({{"shape": list(got.shape), "dtype": str(got.dtype), "finite": bool(torch.isfinite(got).all()),
+                   "error": _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5))}})
+print(json.dumps({{"cases": report, "counters_left": int(shared.abs().sum())}}))
+"""
+
+
+def test_interpreted_kernel_matches_reference():
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = _INTERPRETED.format(paths=[str(here), str(here.parent)])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["counters_left"] == 0
+    for case, r in zip(CASES, report["cases"], strict=True):
+        assert r["shape"] == [case[0], 1, case[1], case[4]] and r["dtype"] == "torch.float16", (case, r)
+        assert r["finite"] and r["error"] < 2e-3, (case, r)
+
+
+def test_attention_forward_without_a_position_is_sdpa():
+    # prefill, model.generate, anything that did not pass the decoder's position: transformers' SDPA as is
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    g = torch.Generator().manual_seed(0)
+    query, keys, values = (torch.randn(1, h, 5, 16, generator=g) for h in (4, 2, 2))
+    got, _ = da.attention_forward(module, query, keys, values, None, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, keys, values, None, scaling=0.3)
+    assert torch.equal(got, want)
+    # a CPU decode step with a position: not served by the kernels (CUDA only), so SDPA too
+    got, _ = da.attention_forward(module, query[:, :, :1], keys, values, None, scaling=0.3,
+                                  **{da.STEP_KWARG: da.DecodeStep(torch.tensor([[4]]), da.counters(1, 4, "cpu"))})
+    want, _ = sdpa_attention_forward(module, query[:, :, :1], keys, values, None, scaling=0.3)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES + [(1, 32, 32, 1152, 128, 700), (4, 8, 8, 96, 256, 95)],
+                         ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c) if isinstance(c, tuple) else str(c))
+def test_cuda_kernel_matches_reference(case, dtype):
+    if not da.available():
+        pytest.skip("Triton is not installed")
+    query, keys, values, position = _case(*case, dtype=dtype, device="cuda")
+    counters = da.counters(case[0], case[1], "cuda")
+    for _ in range(3):  # the same counters again: each call leaves them zero
+        got = da.decode(query, keys, values, position, case[4] ** -0.5, counters)
+        assert torch.isfinite(got).all()
+        assert _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5)) < 2e-3
+    assert not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_reads_its_position_in_a_graph():
+    # one captured launch serves every position: the position is read on the device at each replay
+    if not da.available():
+        pytest.skip("Triton is not installed")
+    query, keys, values, position = _case(1, 8, 8, 320, 128, 319, device="cuda")
+    keys, values = keys.nan_to_num(0.0), values.nan_to_num(0.0)
+    counters = da.counters(1, 8, "cuda")
+    da.decode(query, keys, values, position, 0.1, counters)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = da.decode(query, keys, values, position, 0.1, counters)
+    for last in (0, 63, 64, 200, 319):
+        position.fill_(last)
+        graph.replay()
+        assert _rel_error(out, da.reference(query, keys, values, position, 0.1)) < 2e-3

@@ -22,7 +22,8 @@ them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime
 RMSNorms, the rotary embedding and SiLU*mul into one kernel each; "full" also stacks q/k/v and gate/up
 into one linear each (one launch over the stacked rows). Attention "split" (the default) attends in decode
 steps with runtime.decode_attention (the cache split over many programs, positions past the current one
-not read), "sdpa" with transformers' SDPA over the whole masked cache. Fusion and attention apply to fp16
+not read; the kernel also writes the step's key and value into the cache), "split-separate-write" the
+same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache. Fusion and attention apply to fp16
 and every format alike, and speedups compare formats at the same fusion and attention.
 GB/s: bytes a decode step must read (linears as served, lm_head, norms, and the KV cache: all max_len
 positions under SDPA, which reads them masked, the positions up to the current one under split
@@ -376,8 +377,9 @@ def main():
                          "and q/k/v and gate/up stacked into one linear each); runtime.fusion, applied to fp16 and "
                          "every format alike [%(default)s]")
     ap.add_argument("--attention", default="split",
-                    help="comma list of: split (runtime.decode_attention in decode steps; SDPA where Triton is "
-                         "missing); sdpa (transformers' SDPA over the masked static cache) [%(default)s]")
+                    help="comma list of: split (runtime.decode_attention in decode steps, which also writes "
+                         "the cache; SDPA where Triton is missing); split-separate-write (the same after the "
+                         "compiled cache write); sdpa (transformers' SDPA over the masked static cache) [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)
@@ -405,8 +407,8 @@ def main():
     if not fusions or set(fusions) - {"none", "pointwise", "full"}:
         raise SystemExit(f"--fusion takes none, pointwise, full; got {args.fusion}")
     attentions = args.attention.split(",")
-    if not attentions or set(attentions) - {"split", "sdpa"}:
-        raise SystemExit(f"--attention takes split, sdpa; got {args.attention}")
+    if not attentions or set(attentions) - set(StaticGreedyDecoder.ATTENTION_MODES):
+        raise SystemExit(f"--attention takes {', '.join(StaticGreedyDecoder.ATTENTION_MODES)}; got {args.attention}")
     families = []
     for fmt in formats:
         if family_of(fmt) not in families:

@@ -40,6 +40,28 @@ def _rel_error(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def _check_with_new_kv(case, device="cpu", dtype=torch.float16, counters=None):
+    """The call that also takes the position's own key and value: the cache holds NaN there (and past
+    it) before the call; after it, the new key and value and nothing else has changed. Returns
+    (relative error, problems found)."""
+    query, keys, values, position = _case(*case, dtype=dtype, device=device)
+    batch, _, kv_heads, _, dim, last = case
+    keys[:, :, last], values[:, :, last] = float("nan"), float("nan")
+    g = torch.Generator().manual_seed(last + 7)
+    new_k, new_v = (torch.randn(batch, kv_heads, 1, dim, generator=g).to(device, dtype) for _ in range(2))
+    before_k, before_v = keys.clone(), values.clone()
+    got = da.decode(query, keys, values, position, dim**-0.5, counters, new_kv=(new_k, new_v))
+    want_k, want_v = before_k.clone(), before_v.clone()
+    want_k[:, :, last : last + 1], want_v[:, :, last : last + 1] = new_k, new_v
+    problems = []
+    if not torch.isfinite(got).all():
+        problems.append("non-finite output")
+    if not (torch.equal(keys.nan_to_num(7.0), want_k.nan_to_num(7.0))
+            and torch.equal(values.nan_to_num(7.0), want_v.nan_to_num(7.0))):
+        problems.append("cache not exactly the old one plus the new position")
+    return _rel_error(got, da.reference(query, want_k, want_v, position, dim**-0.5)), problems
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c))
 def test_reference_equals_sdpa_with_the_decoders_mask(case):
     query, keys, values, position = _case(*case)
@@ -59,15 +81,17 @@ def test_reference_equals_sdpa_with_the_decoders_mask(case):
 _INTERPRETED = """
 import json, sys, torch
 sys.path[:0] = {paths!r}
-from test_decode_attention import CASES, _case, _rel_error
+from test_decode_attention import CASES, _case, _check_with_new_kv, _rel_error
 from quantkit.runtime import decode_attention as da
 report = []
 shared = da.counters(8, 8, "cpu")
 for case in CASES:
     query, keys, values, position = _case(*case)
     got = da.decode(query, keys, values, position, case[4] ** -0.5, shared)
+    new_kv_error, new_kv_problems = _check_with_new_kv(case, counters=shared)
     report.append({{"shape": list(got.shape), "dtype": str(got.dtype), "finite": bool(torch.isfinite(got).all()),
-                   "error": _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5))}})
+                   "error": _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5)),
+                   "new_kv_error": new_kv_error, "new_kv_problems": new_kv_problems}})
 print(json.dumps({{"cases": report, "counters_left": int(shared.abs().sum())}}))
 """
 
@@ -90,6 +114,7 @@ def test_interpreted_kernel_matches_reference():
     for case, r in zip(CASES, report["cases"], strict=True):
         assert r["shape"] == [case[0], 1, case[1], case[4]] and r["dtype"] == "torch.float16", (case, r)
         assert r["finite"] and r["error"] < 2e-3, (case, r)
+        assert not r["new_kv_problems"] and r["new_kv_error"] < 2e-3, (case, r)
 
 
 def test_attention_forward_without_a_position_is_sdpa():
@@ -110,6 +135,26 @@ def test_attention_forward_without_a_position_is_sdpa():
     assert torch.equal(got, want)
 
 
+def test_attention_forward_writes_a_pending_position_before_sdpa():
+    # a step the kernel does not serve (here: CPU) still puts the token's key and value into the cache
+    # before SDPA reads it, and takes them off the step's pending list
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.layer_idx = True, 2, 3
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 1, 16, generator=g)
+    keys, values = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 2, 6, 16, generator=g)
+    new_k, new_v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[:, :, 4:5], want_v[:, :, 4:5] = new_k, new_v
+    step = da.DecodeStep(torch.tensor([[4]]), da.counters(1, 4, "cpu"), pending={3: (new_k, new_v)})
+    got, _ = da.attention_forward(module, query, keys, values, None, scaling=0.3, **{da.STEP_KWARG: step})
+    assert not step.pending and torch.equal(keys, want_k) and torch.equal(values, want_v)
+    want, _ = sdpa_attention_forward(module, query, want_k, want_v, None, scaling=0.3)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -124,6 +169,8 @@ def test_cuda_kernel_matches_reference(case, dtype):
         got = da.decode(query, keys, values, position, case[4] ** -0.5, counters)
         assert torch.isfinite(got).all()
         assert _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5)) < 2e-3
+    error, problems = _check_with_new_kv(case, "cuda", dtype, counters)
+    assert not problems and error < 2e-3
     assert not counters.any()
 
 

@@ -228,6 +228,11 @@ def test_decode_step_reads_nothing_back_to_host(artifact, tiny_tokenizer):
     assert spy.seen == []
 
 
+def test_static_decoder_refuses_an_unknown_attention(artifact):
+    with pytest.raises(QuantkitError, match="attention must be one of"):
+        StaticGreedyDecoder(quantkit.load(artifact("rtn")), max_len=32, attention="flash")
+
+
 def test_generate_text_refuses_bad_requests(artifact, tiny_tokenizer):
     model = quantkit.load(artifact("rtn"))
     with pytest.raises(QuantkitError, match="exceeds the model's context"):

@@ -212,6 +212,24 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
 
 
+@pytest.mark.parametrize("other", ["split-separate-write", "sdpa"])
+def test_split_attention_decodes_like_sdpa(other, artifact):
+    # the decoder's default on CUDA: split-cache attention whose kernel also writes the step's key and
+    # value; in captured graphs, against the compiled cache write + the same kernel, and against SDPA
+    model = quantkit.load(artifact("rtn-bcq"), device="cuda")
+    _require_kernel(model, tokens=1)
+    prompt = _prompts(model.config.vocab_size, batch=1)
+    split = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
+    if not split.split_attention:
+        pytest.skip("Triton is not installed")
+    split.capture()
+    reference = StaticGreedyDecoder(model, max_len=PROMPT + STEPS, attention=other)
+    assert reference.split_attention == (other != "sdpa")
+    reference.capture()
+    _assert_same_until_near_tie(model, prompt, reference.generate(prompt, STEPS), split.generate(prompt, STEPS),
+                                f"split vs {other}")
+
+
 class _IdTokenizer:
     """Prompts given as space-separated token ids; what generate_static needs of a tokenizer."""
 

@@ -8,7 +8,8 @@ chunks of CHUNK positions, one program per chunk: it computes its chunk's softma
 sum) and weighted value sum in fp32, skipping positions past the current one (read nowhere, not masked
 after reading), and the last of a head's programs to finish (a counter per head) merges the chunks, so
 one launch does it all. The current position comes from a device tensor, so one CUDA-graph step serves
-every position.
+every position. The step's own key and value can be handed over with the call: the kernel attends to
+them and writes them into the cache, which saves the separate cache write (two kernels per layer).
 
 `StaticGreedyDecoder` routes its decode steps here (`attention_forward`, registered with transformers
 under ATTENTION_NAME); everything else, and every case this kernel does not cover, goes to transformers'
@@ -16,7 +17,7 @@ SDPA function unchanged.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +34,9 @@ class DecodeStep:
 
     position: torch.Tensor  # its first element: the step's cache position (the last one attended)
     head_counters: torch.Tensor  # from counters(batch, heads): zero, and left zero by every call
+    # layer index -> (key, value) [B, Hkv, 1, D] of the step's token, not yet in the cache: its attention
+    # call writes them there (the kernel itself, or an index_copy_ before SDPA) and removes the entry
+    pending: dict = field(default_factory=dict)
 
 
 def reference(query, keys, values, position, scale):
@@ -56,10 +60,10 @@ def _kernels():
         return None
 
     @triton.jit
-    def attend_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, count_ptr, out_ptr,
-                      q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, qk_scale, length,
+    def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr, count_ptr, out_ptr,
+                      q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, kn_sb, kn_sh, vn_sb, vn_sh, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                      SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                      SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -68,7 +72,8 @@ def _kernels():
         last = tl.load(pos_ptr)
         d = tl.arange(0, D)
         n = split * CHUNK + tl.arange(0, CHUNK)
-        live = (n <= last) & (n < length)
+        # with HAS_NEW the current position's key and value come from kn/vn, not the cache
+        live = ((n < last) if HAS_NEW else (n <= last)) & (n < length)
         # keys and values are both loaded before any arithmetic, so their reads overlap
         k = tl.load(k_ptr + b * k_sb + kv_head * k_sh + n[:, None] * k_sn + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + b * v_sb + kv_head * v_sh + n[:, None] * v_sn + d[None, :], mask=live[:, None], other=0.0)
@@ -76,13 +81,30 @@ def _kernels():
         q = tl.load(q_ptr + b * q_sb + h * q_sh + d).to(tl.float32) * qk_scale
         s = tl.where(live, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
         m = tl.max(s, axis=0)
-        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m))  # an empty chunk: p = 0, not NaN
+        if HAS_NEW:  # one more score, only in the chunk that holds the position (elsewhere -inf, weight 0)
+            holds = (split == last // CHUNK) & (last < length)
+            k_new = tl.load(kn_ptr + b * kn_sb + kv_head * kn_sh + d, mask=holds, other=0.0)
+            v_new = tl.load(vn_ptr + b * vn_sb + kv_head * vn_sh + d, mask=holds, other=0.0)
+            s_new = tl.where(holds, tl.sum(k_new.to(tl.float32) * q, axis=0), float("-inf"))
+            m = tl.maximum(m, s_new)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # an empty chunk: weights 0, not NaN
+        p = tl.exp2(s - m_safe)
         acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        total = tl.sum(p, axis=0)
+        if HAS_NEW:
+            p_new = tl.exp2(s_new - m_safe)
+            acc += p_new * v_new.to(tl.float32)
+            total += p_new
+            # written once per KV head, by the chunk that holds the position: no program of this launch
+            # reads that cache row, so the write races with nothing
+            if holds & (h % GROUP == 0):
+                tl.store(k_ptr + b * k_sb + kv_head * k_sh + last * k_sn + d, k_new)
+                tl.store(v_ptr + b * v_sb + kv_head * v_sh + last * v_sn + d, v_new)
         # this chunk's partial result: [acc (D), max, sum] at its slot
         row = part_ptr + (bh * SPLITS + split) * (D + 2)
         tl.store(row + d, acc)
         tl.store(row + D, m)
-        tl.store(row + D + 1, tl.sum(p, axis=0))
+        tl.store(row + D + 1, total)
         # the head's last chunk to finish merges them all: the barrier puts every thread's stores before
         # the counter's release (acq_rel, GPU scope); the merge reads through L2 (.cg), as L1 may hold
         # an earlier call's partials
@@ -118,34 +140,47 @@ def supported(query, keys, values, dropout=0.0):
             and query.stride(-1) == keys.stride(-1) == values.stride(-1) == 1)
 
 
+def new_kv_fits(new_kv, keys):
+    """Whether (key, value) can be the `new_kv` of a call on this cache."""
+    b, kv_heads, _, d = keys.shape
+    return all(t.shape == (b, kv_heads, 1, d) and t.dtype == keys.dtype and t.device == keys.device
+               and t.stride(-1) == 1 for t in new_kv)
+
+
 def counters(batch, heads, device):
     """The zeroed per-head counters `decode` needs (it leaves them zero): make them once, outside any
     CUDA-graph capture, and use them from one stream at a time."""
     return torch.zeros(batch * heads, dtype=torch.int32, device=device)
 
 
-def decode(query, keys, values, position, scale, head_counters=None, chunk=CHUNK, num_warps=NUM_WARPS):
+def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, chunk=CHUNK,
+           num_warps=NUM_WARPS):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), position: a
     CUDA integer tensor whose first element is the last cache position to attend (0-based; later positions
     are not read) -> [B, 1, H, D] in the query's dtype (the layout transformers' attention functions return).
-    head_counters: from `counters(B, H)` (None: fresh ones, one memset more). chunk (a power of 2) and
-    num_warps: the work split, for measuring others than the defaults."""
+    head_counters: from `counters(B, H)` (None: fresh ones, one memset more). new_kv: (key, value)
+    [B, Hkv, 1, D] of the position itself, written into the cache by this call (None: already there).
+    chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:
         head_counters = counters(b, h, query.device)
     if head_counters.numel() < b * h:
         raise ValueError(f"{head_counters.numel()} attention counters for {b * h} heads")
+    if new_kv is not None and not new_kv_fits(new_kv, keys):
+        raise ValueError("new key/value must be [B, Hkv, 1, D] in the cache's dtype, unit stride along D")
+    k_new, v_new = new_kv if new_kv is not None else (keys, values)  # unused pointers when None
     splits = -(-length // chunk)
     partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
     out = torch.empty(b, 1, h, d, dtype=query.dtype, device=query.device)
     log2e = 1.4426950408889634
     _kernels()[(b * h, splits)](
-        query, keys, values, position, partials, head_counters, out,
+        query, keys, values, k_new, v_new, position, partials, head_counters, out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), scale * log2e, length,
+        values.stride(0), values.stride(1), values.stride(2), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), scale * log2e, length,
         H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
-        SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), num_warps=num_warps)
+        SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None, num_warps=num_warps)
     return out
 
 
@@ -155,11 +190,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     step = kwargs.pop(STEP_KWARG, None)
+    new_kv = step.pending.pop(getattr(module, "layer_idx", None), None) if step is not None else None
     plain = (kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
              and getattr(module, "sliding_window", None) is None)
-    if step is not None and plain and supported(query, key, value, dropout):
+    if (step is not None and plain and supported(query, key, value, dropout)
+            and (new_kv is None or new_kv_fits(new_kv, key))):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return decode(query, key, value, step.position, scale, step.head_counters), None
+        return decode(query, key, value, step.position, scale, step.head_counters, new_kv), None
+    if new_kv is not None:  # SDPA below reads the cache: the position goes in first
+        where = step.position.reshape(-1)[:1].to(key.device)
+        key.index_copy_(2, where, new_kv[0].to(key.dtype))
+        value.index_copy_(2, where, new_kv[1].to(value.dtype))
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -19,13 +19,15 @@ same write as five kernels (an arange and two adds for a device-side position co
 index_copy_): 8.4 µs per layer on an H100 against 2.3 µs, 0.24 ms of every Llama-2-7B decode step
 whatever the weight format. Prefill keeps transformers' own update (it allocates the cache on first use).
 
-On CUDA with Triton, decode steps also attend with `decode_attention` (the cache split over many
-programs, positions past the current one not read) instead of SDPA over the whole masked cache.
+On CUDA with Triton, decode steps attend with `decode_attention` instead (the cache split over many
+programs, positions past the current one not read, rather than SDPA over the whole masked cache), and
+that kernel also writes the new key and value, so the compiled write above is not needed there.
 """
 
 import functools
 import inspect
 import time
+import warnings
 
 import torch
 
@@ -216,8 +218,12 @@ class StaticGreedyDecoder:
     (QuantLinear.set_bits, use_kernels, new weights).
 
     attention: "split" attends in decode steps with `decode_attention` where it can serve them (CUDA,
-    Triton, an SDPA model), "sdpa" keeps transformers' SDPA over the masked cache.
+    Triton, an SDPA model), and that kernel writes each layer's new key and value into the cache;
+    "split-separate-write" the same with the compiled cache write before it (for measuring the two
+    apart); "sdpa" keeps transformers' SDPA over the masked cache.
     """
+
+    ATTENTION_MODES = ("split", "split-separate-write", "sdpa")
 
     def __init__(self, model, max_len, batch_size=1, attention="split"):
         from transformers import StaticCache
@@ -243,11 +249,12 @@ class StaticGreedyDecoder:
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):
             raise QuantkitError(f"StaticGreedyDecoder needs sdpa or eager attention (its mask is additive), not {attn}")
-        if attention not in ("split", "sdpa"):
-            raise QuantkitError(f"attention must be 'split' or 'sdpa', not {attention!r}")
+        if attention not in self.ATTENTION_MODES:
+            raise QuantkitError(f"attention must be one of {', '.join(self.ATTENTION_MODES)}, not {attention!r}")
         # the split kernel replaces SDPA only: an "eager" model keeps its own attention
-        self.split_attention = (attention == "split" and attn == "sdpa" and self.device.type == "cuda"
+        self.split_attention = (attention.startswith("split") and attn == "sdpa" and self.device.type == "cuda"
                                 and decode_attention.available())
+        self._kernel_writes_cache = attention == "split"
         if self.split_attention:  # rows share one position
             self._attention_step = decode_attention.DecodeStep(
                 self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device))
@@ -256,6 +263,9 @@ class StaticGreedyDecoder:
         kv = _static_layer_kv(self.cache, layer_idx) if self._in_step else None
         if kv is None:
             return self._cache_update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.split_attention and self._kernel_writes_cache:  # its attention call writes them (attention_forward)
+            self._attention_step.pending[layer_idx] = (key_states, value_states)
+            return kv
         write = _compiled_write_kv() if key_states.is_cuda else _write_kv
         write(kv[0], kv[1], key_states, value_states, self.pos[0])  # rows share one position
         return kv
@@ -284,6 +294,15 @@ class StaticGreedyDecoder:
             logits = self.model(**kwargs).logits[:, -1]
         finally:
             config._attn_implementation = "sdpa"
+        if self._attention_step.pending:
+            # some layer's attention never received the step (a model that does not pass its forward
+            # kwargs down): its new key and value are not in the cache and it attended without them.
+            # This decoder goes back to SDPA and the separate cache write, and the step runs again
+            # (writing a position twice is harmless).
+            self._attention_step.pending.clear()
+            self.split_attention = False
+            warnings.warn("split decode attention did not reach every layer of this model; using SDPA")
+            return self._next_token(ids, positions)
         return logits.argmax(dim=-1, keepdim=True)
 
     def _step(self):

@@ -207,4 +207,11 @@ def init_from_env(device: str) -> Ranks:
 
 def shutdown(ranks: Ranks):
     if ranks.distributed and dist.is_initialized():
+        # ranks leave together: a gloo rank tearing down while its peer still talks to it was seen to
+        # abort at exit ("terminate called without an active exception"); a peer already gone makes
+        # the barrier fail at once, which must not hide the error being raised
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001
+            pass
         dist.destroy_process_group()

@@ -51,7 +51,7 @@ def reference(query, keys, values, position, scale):
 
 
 @functools.cache
-def _kernels():
+def _kernel():
     """The attention kernel, compiled by Triton on first launch; None without Triton."""
     try:
         import triton
@@ -83,8 +83,9 @@ def _kernels():
         m = tl.max(s, axis=0)
         if HAS_NEW:  # one more score, only in the chunk that holds the position (elsewhere -inf, weight 0)
             holds = (split == last // CHUNK) & (last < length)
-            k_new = tl.load(kn_ptr + b * kn_sb + kv_head * kn_sh + d, mask=holds, other=0.0)
-            v_new = tl.load(vn_ptr + b * vn_sb + kv_head * vn_sh + d, mask=holds, other=0.0)
+            fetch = d < tl.where(holds, D, 0)  # a boolean vector (Triton 3.9's interpreter rejects scalar & vector)
+            k_new = tl.load(kn_ptr + b * kn_sb + kv_head * kn_sh + d, mask=fetch, other=0.0)
+            v_new = tl.load(vn_ptr + b * vn_sb + kv_head * vn_sh + d, mask=fetch, other=0.0)
             s_new = tl.where(holds, tl.sum(k_new.to(tl.float32) * q, axis=0), float("-inf"))
             m = tl.maximum(m, s_new)
         m_safe = tl.where(m == float("-inf"), 0.0, m)  # an empty chunk: weights 0, not NaN
@@ -127,7 +128,7 @@ def _kernels():
 
 def available():
     """Whether Triton is importable (the kernels compile on first launch)."""
-    return _kernels() is not None
+    return _kernel() is not None
 
 
 def supported(query, keys, values, dropout=0.0):
@@ -174,7 +175,7 @@ def decode(query, keys, values, position, scale, head_counters=None, new_kv=None
     partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
     out = torch.empty(b, 1, h, d, dtype=query.dtype, device=query.device)
     log2e = 1.4426950408889634
-    _kernels()[(b * h, splits)](
+    _kernel()[(b * h, splits)](
         query, keys, values, k_new, v_new, position, partials, head_counters, out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), k_new.stride(0), k_new.stride(1),

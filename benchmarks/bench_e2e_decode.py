@@ -23,8 +23,9 @@ RMSNorms, the rotary embedding and SiLU*mul into one kernel each; "full" also st
 into one linear each (one launch over the stacked rows). Attention "split" (the default) attends in decode
 steps with runtime.decode_attention (the cache split over many programs, positions past the current one
 not read; the kernel also writes the step's key and value into the cache), "split-separate-write" the
-same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache. Fusion and attention apply to fp16
-and every format alike, and speedups compare formats at the same fusion and attention.
+same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache.
+Fusion and attention apply to fp16 and every format alike, and speedups compare formats at the same
+fusion and attention.
 GB/s: bytes a decode step must read (linears as served, lm_head, norms, and the KV cache: all max_len
 positions under SDPA, which reads them masked, the positions up to the current one under split
 attention) / step time.
@@ -302,13 +303,14 @@ def _run_lengths(fmt, fusion, attention, bits, model, modules, in_use, prompt, a
         torch.cuda.reset_peak_memory_stats()
         row = time_decode(model, prompt, gen, args.repeats, not args.no_graph, attention,
                           share_modules=in_use if i == 0 and not args.no_share else None)
-        row.update(format=fmt, fusion=fusion, attention=attention, served_bits=bits, kernel=serves, linear_bits_per_weight=8 * linears_read / numel,
-                   peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+        row.update(format=fmt, fusion=fusion, attention=attention, served_bits=bits, kernel=serves,
+                   linear_bits_per_weight=8 * linears_read / numel, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
         # split attention reads positions 0..current only: prompt + gen / 2 of them on average
         cached = (prompt.shape[1] + gen / 2) if row["split_attention"] else row["max_len"]
         row["gb_per_s"] = step_bytes(model, modules, cached) / (row["ms_per_token"] / 1000) / 1e9
         results.append(row)
-        log(f"  {fmt} ({fusion}, {attention}) gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s"
+        log(f"  {fmt} ({fusion}, {attention}) gen {gen}: {row['ms_per_token']:.3f} ms/token, "
+            f"{row['tokens_per_s']:.1f} tokens/s"
             + ("" if row["cuda_graph"] else "  (eager: " + row.get("graph_error", "--no-graph") + ")"))
         torch.cuda.empty_cache()
 

@@ -228,14 +228,15 @@ def test_decode_step_reads_nothing_back_to_host(artifact, tiny_tokenizer):
     assert spy.seen == []
 
 
-@pytest.mark.parametrize("attention_gets_the_step", [True, False])
-def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monkeypatch, attention_gets_the_step):
+@pytest.mark.parametrize("case", ["kernel-writes", "separate-write", "attention-drops-the-step"])
+def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monkeypatch, case):
     # The decoder's split-attention path, forced on the CPU (on CUDA with Triton it is the default):
     # each layer's new key and value wait on the step until its attention call takes them. Here the
     # registered attention function cannot use the kernel (CPU), so it writes them and runs SDPA: the
     # tokens equal transformers' greedy decode, which also shows that the step reaches every layer
-    # through the model's forward kwargs. With an attention that drops the step, the decoder must
-    # notice the untaken keys, go back to SDPA and redo the step: the same tokens again.
+    # through the model's forward kwargs. "split-separate-write" writes them before the attention call
+    # instead. With an attention that drops the step, the decoder must notice the untaken keys, go back
+    # to SDPA and redo the step: the same tokens again.
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -245,10 +246,10 @@ def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monke
     ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
     want, _ = _greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
-    decoder.split_attention, decoder._kernel_writes_cache = True, True
+    decoder.split_attention, decoder._kernel_writes_cache = True, case != "separate-write"
     decoder._attention_step = decode_attention.DecodeStep(
         decoder.pos, decode_attention.counters(1, model.config.num_attention_heads, "cpu"))
-    if attention_gets_the_step:
+    if case != "attention-drops-the-step":
         got = decoder.generate(ids, NEW_TOKENS)
         assert decoder.split_attention
     else:

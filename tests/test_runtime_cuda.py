@@ -213,16 +213,25 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
 
 
 @pytest.mark.parametrize("other", ["split-separate-write", "sdpa"])
-def test_split_attention_decodes_like_sdpa(other, artifact):
+def test_split_attention_decodes_like_sdpa(other, artifact, monkeypatch):
     # the decoder's default on CUDA: split-cache attention whose kernel also writes the step's key and
     # value; in captured graphs, against the compiled cache write + the same kernel, and against SDPA
+    from quantkit.runtime import decode_attention
+
     model = quantkit.load(artifact("rtn-bcq"), device="cuda")
     _require_kernel(model, tokens=1)
     prompt = _prompts(model.config.vocab_size, batch=1)
     split = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
     if not split.split_attention:
         pytest.skip("Triton is not installed")
+    launches = []  # every layer of the captured step must launch the kernel, taking its key and value
+    kernel = decode_attention.decode
+    monkeypatch.setattr(decode_attention, "decode",
+                        lambda *a, **kw: (launches.append(a[6] is not None), kernel(*a, **kw))[1])
     split.capture()
+    layers = model.config.num_hidden_layers
+    assert split.split_attention and launches[-layers:] == [True] * layers
+    monkeypatch.setattr(decode_attention, "decode", kernel)
     reference = StaticGreedyDecoder(model, max_len=PROMPT + STEPS, attention=other)
     assert reference.split_attention == (other != "sdpa")
     reference.capture()

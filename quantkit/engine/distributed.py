@@ -40,6 +40,7 @@ from quantkit.errors import QuantkitError
 
 SHARDS = 8
 TIMEOUT = timedelta(minutes=60)
+SHUTDOWN_TIMEOUT = timedelta(minutes=1)
 
 
 def shard_bounds(n):
@@ -207,11 +208,12 @@ def init_from_env(device: str) -> Ranks:
 
 def shutdown(ranks: Ranks):
     if ranks.distributed and dist.is_initialized():
-        # ranks leave together: a gloo rank tearing down while its peer still talks to it was seen to
-        # abort at exit ("terminate called without an active exception"); a peer already gone makes
-        # the barrier fail at once, which must not hide the error being raised
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001
-            pass
+        # gloo ranks leave together: one tearing down while its peer still talks to it was seen to abort
+        # at exit ("terminate called without an active exception"). A peer that is gone, or does not
+        # arrive within the minute, makes the barrier fail, which must not hide an error being raised.
+        if dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=SHUTDOWN_TIMEOUT)
+            except Exception:  # noqa: BLE001
+                pass
         dist.destroy_process_group()

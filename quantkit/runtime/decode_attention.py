@@ -26,6 +26,10 @@ STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's 
 CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
 NUM_WARPS = 2  # measured against 4 and 8 (benchmarks/sweep_decode_attention.py): as fast or faster at 256-4096 positions
 MAX_HEAD_DIM = 256
+# the merging program holds every chunk's partial result in registers: beyond this many chunks (8192
+# cached positions) SDPA serves the step instead. Each cache length compiles its own kernel (SPLITS is
+# a compile-time constant), once per process.
+MAX_SPLITS = 128
 
 
 @dataclass
@@ -137,7 +141,7 @@ def supported(query, keys, values, dropout=0.0):
     return (q_len == 1 and dropout == 0.0 and query.is_cuda and available()
             and query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype == values.dtype
             and keys.shape[0] == b and h % keys.shape[1] == 0 and keys.shape[-1] == d and values.shape == keys.shape
-            and d <= MAX_HEAD_DIM and d & (d - 1) == 0
+            and d <= MAX_HEAD_DIM and d & (d - 1) == 0 and keys.shape[2] <= CHUNK * MAX_SPLITS
             and query.stride(-1) == keys.stride(-1) == values.stride(-1) == 1)
 
 

@@ -206,6 +206,16 @@ def generate_static(model, tokenizer, prompts, max_new_tokens=64):
     }
 
 
+def _configs(config):
+    """A model config and its sub-configs, nested ones included, outer first."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            found += _configs(sub)
+    return found
+
+
 class StaticGreedyDecoder:
     """Greedy decoding of a batch of equal-length prompts, one decode step capturable in a CUDA graph.
 
@@ -289,11 +299,13 @@ class StaticGreedyDecoder:
         # does not serve); the model's own setting is restored at once, so nothing else sees the switch
         config = self.model.config
         kwargs[decode_attention.STEP_KWARG] = self._attention_step
-        config._attn_implementation = decode_attention.register()
+        saved = [(c, c._attn_implementation) for c in _configs(config)]
+        config._attn_implementation = decode_attention.register()  # transformers sets it on sub-configs too
         try:
             logits = self.model(**kwargs).logits[:, -1]
         finally:
-            config._attn_implementation = "sdpa"
+            for c, value in saved:  # outer before inner: each sub-config ends with its own value
+                c._attn_implementation = value
         if self._attention_step.pending:
             # some layer's attention never received the step (a model that does not pass its forward
             # kwargs down): its new key and value are not in the cache and it attended without them.
@@ -375,7 +387,9 @@ class StaticGreedyDecoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.warm_up(warmup)
+            # with split attention the second step is the first whose layers hand their keys over (the
+            # first allocates the cache), so a model that drops them is caught here, not while capturing
+            self.warm_up(max(warmup, 2) if self.split_attention else warmup)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -24,7 +24,9 @@ import torch
 ATTENTION_NAME = "quantkit_static_decode"
 STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's forward kwargs
 CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
-NUM_WARPS = 2  # measured against 4 and 8 (benchmarks/sweep_decode_attention.py): as fast or faster at 256-4096 positions
+# warps per program: measured against 4 and 8 (benchmarks/sweep_decode_attention.py), as fast or faster
+# from 256 to 4096 cached positions
+NUM_WARPS = 2
 MAX_HEAD_DIM = 256
 # the merging program holds every chunk's partial result in registers: beyond this many chunks (8192
 # cached positions) SDPA serves the step instead. Each cache length compiles its own kernel (SPLITS is

@@ -329,8 +329,8 @@ def add_speedups(results):
 
 
 def table(results):
-    cols = ["format", "fusion", "attention", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s", "prefill ms", "GB/s",
-            "linear share", "graph", "graph=eager", "peak GB"]
+    cols = ["format", "fusion", "attention", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s",
+            "prefill ms", "GB/s", "linear share", "graph", "graph=eager", "peak GB"]
     rows = []
     for r in results:
         if "skipped" in r:

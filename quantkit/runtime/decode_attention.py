@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 ATTENTION_NAME = "quantkit_static_decode"
 STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's forward kwargs
@@ -47,13 +48,20 @@ class DecodeStep:
 
 def reference(query, keys, values, position, scale):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (H a multiple of Hkv), position: an integer tensor
-    whose first element is the last cache position to attend -> [B, 1, H, D] in fp32."""
+    whose first element is the last cache position to attend -> [B, 1, H, D] in fp32 (PyTorch's SDPA
+    over the attended positions)."""
     last = int(position.reshape(-1)[0])
     group = query.shape[1] // keys.shape[1]
     k = keys[:, :, : last + 1].float().repeat_interleave(group, dim=1)
     v = values[:, :, : last + 1].float().repeat_interleave(group, dim=1)
-    p = torch.softmax(query.float() @ k.transpose(-1, -2) * scale, dim=-1)
-    return (p @ v).transpose(1, 2)
+    return F.scaled_dot_product_attention(query.float(), k, v, scale=scale).transpose(1, 2)
+
+
+def write_kv(keys, values, key_states, value_states, position):
+    """Put one position's key and value [B, Hkv, 1, D] into the cache [B, Hkv, L, D] at `position`
+    (a 1-element integer tensor on the cache's device)."""
+    keys.index_copy_(2, position, key_states)
+    values.index_copy_(2, position, value_states)
 
 
 @functools.cache
@@ -205,9 +213,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return decode(query, key, value, step.position, scale, step.head_counters, new_kv), None
     if new_kv is not None:  # SDPA below reads the cache: the position goes in first
-        where = step.position.reshape(-1)[:1].to(key.device)
-        key.index_copy_(2, where, new_kv[0].to(key.dtype))
-        value.index_copy_(2, where, new_kv[1].to(value.dtype))
+        write_kv(key, value, new_kv[0].to(key.dtype), new_kv[1].to(value.dtype),
+                 step.position.reshape(-1)[:1].to(key.device))
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -132,15 +132,10 @@ def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, tem
     }
 
 
-def _write_kv(keys, values, key_states, value_states, position):
-    keys.index_copy_(2, position, key_states)
-    values.index_copy_(2, position, value_states)
-
-
 @functools.cache
 def _compiled_write_kv():
     # one graph for both writes; not fullgraph: past dynamo's recompile limit it runs eagerly instead
-    return torch.compile(_write_kv, dynamic=False)
+    return torch.compile(decode_attention.write_kv, dynamic=False)
 
 
 def _static_layer_kv(cache, layer_idx):
@@ -276,7 +271,7 @@ class StaticGreedyDecoder:
         if self.split_attention and self._kernel_writes_cache:  # its attention call writes them (attention_forward)
             self._attention_step.pending[layer_idx] = (key_states, value_states)
             return kv
-        write = _compiled_write_kv() if key_states.is_cuda else _write_kv
+        write = _compiled_write_kv() if key_states.is_cuda else decode_attention.write_kv
         write(kv[0], kv[1], key_states, value_states, self.pos[0])  # rows share one position
         return kv
 

@@ -28,7 +28,7 @@ def test_fused_llama_matches_eager_and_decodes_the_same_tokens():
         want_tokens = StaticGreedyDecoder(model, max_len=24, batch_size=2).generate(ids, 8)
     try:
         counts = fuse_pointwise(model)
-        assert counts == {"rms_norm": 2 * 2 + 1, "mlp": 2, "rotary": 1}
+        assert counts == {"rms_norm": 2 * 2 + 1, "mlp": 2, "rotary": 1, "residual_norm": 2}
         assert modeling_llama.apply_rotary_pos_emb is not original_rotary
         assert fuse_pointwise(model) == counts  # idempotent
         assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT  # room for every layout in a process
@@ -57,7 +57,79 @@ def test_unknown_pieces_are_left_alone():
         unfuse_pointwise(model)
     opt = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32))
-    assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "residual_norm": 0}
+
+
+def test_residual_adds_are_normed_in_the_kernel_that_adds_them(monkeypatch):
+    """Each layer adds its residuals and norms the sums in one call (the next layer's input norm and the
+    final norm included): with the compiled functions run eagerly the logits are bit-equal to the unfused
+    model's, and only the first input norm is computed on its own."""
+    from quantkit.runtime import fusion
+
+    calls = []
+
+    def eager(fn):
+        def run(*args):
+            calls.append(fn.__name__)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(fusion, "_compiled", eager)
+    model = _tiny_llama(layers=3)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = model(ids).logits
+    try:
+        assert fuse_pointwise(model)["residual_norm"] == 3
+        assert model.model.layers[2]._quantkit_next_norm is model.model.norm
+        assert "_quantkit_next_norm" not in dict(model.named_modules())  # not registered as a submodule
+        calls.clear()
+        with torch.inference_mode():
+            got = model(ids).logits
+        assert torch.equal(got, want)
+        assert calls.count("_rms_norm") == 1 and calls.count("_add_rms_norm") == 2 * 3
+        assert not any("_quantkit_pending" in vars(m) for m in model.modules())  # every handed-on norm was taken
+        # a norm given another tensor than the one the layer added computes it itself
+        norm = model.model.layers[1].input_layernorm
+        x = torch.randn(2, 7, 64)
+        norm._quantkit_pending = (x.clone(), torch.zeros(2, 7, 64))
+        assert torch.equal(norm(x), fusion._rms_norm(x, norm.weight, norm.variance_epsilon))
+    finally:
+        unfuse_pointwise(model)
+    assert not any(name in vars(m) for m in model.modules() for name in ("forward", "_quantkit_next_norm"))
+
+
+def test_a_decoder_layer_that_differs_is_not_restated(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    from quantkit.runtime import fusion
+    from quantkit.runtime.fusion import _restated_layer
+
+    monkeypatch.setattr(fusion, "_compiled", lambda fn: fn)  # eager: bit-equal to the unfused model
+
+    assert _restated_layer(modeling_llama.LlamaDecoderLayer.forward)
+
+    class ScaledLayer(modeling_llama.LlamaDecoderLayer):
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, position_embeddings=None, **kwargs):
+            return 2 * super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                       position_embeddings, **kwargs)
+
+    assert not _restated_layer(ScaledLayer.forward)
+    model = _tiny_llama(layers=2)
+    layer = model.model.layers[1]
+    layer.__class__ = ScaledLayer  # its own forward: the residual fusion must leave it alone
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        want = model(ids).logits
+    try:
+        assert fuse_pointwise(model)["residual_norm"] == 1
+        assert "forward" not in vars(layer)
+        # layer 0 still hands its output's norm on: layer 1's own forward asks its input norm for it
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, want)
+    finally:
+        unfuse_pointwise(model)
 
 
 def _quantize_linears(model, kind):

@@ -4,13 +4,16 @@ At batch 1 a decode step of a Llama-style decoder launches about 40 kernels per 
 are linears: RMSNorm alone is 7 (cast, square, mean, add, rsqrt, two multiplies), the rotary embedding 10,
 SiLU·mul 2. Even replayed from a CUDA graph each costs a few µs, which on an H100 adds up to ~2.5 ms of an
 8 ms fp16 Llama-2-7B step, the same for every weight format: the part of the step quantized linears cannot
-speed up. `fuse_pointwise(model)` compiles those three pieces with torch.compile (one fused kernel each)
-and leaves the linears, attention, cache writes and residual adds as they are, so float and quantized
-models get the same fusion and their speed ratio stays a statement about the linears.
+speed up. `fuse_pointwise(model)` compiles those three pieces with torch.compile (one fused kernel each),
+and each residual add with the RMSNorm that follows it (the decoder layer's post-attention norm, and the
+next layer's input norm or the final norm after the MLP): one kernel returns both the sum and its norm.
+Linears, attention and cache writes stay as they are, so float and quantized models get the same fusion
+and their speed ratio stays a statement about the linears.
 
-Only pieces whose code is known are touched: an RMSNorm / MLP forward or rotary function is replaced when
-its source equals transformers' Llama one (other architectures copy it verbatim: Mistral, Qwen2, ...),
-and the MLP only with a SiLU activation. The fused functions compute the same expressions; inductor keeps
+Only pieces whose code is known are touched: an RMSNorm / MLP / decoder-layer forward or rotary function
+is replaced when its source equals transformers' Llama one (other architectures copy it verbatim:
+Mistral, Qwen2, ...), the MLP only with a SiLU activation, and the decoder layer only when its body is
+the one `_fused_layer_forward` restates (checked statement by statement). The fused functions compute the same expressions; inductor keeps
 intermediates in fp32 where eager rounds each op to the input dtype, so fp16 outputs can differ in the
 last bit. The rotary function is replaced in the model's modeling module, i.e. for every model of that
 architecture in the process (it is the same function, compiled).
@@ -39,6 +42,11 @@ def _rms_norm(hidden, weight, eps):
     return weight * h.to(dtype)
 
 
+def _add_rms_norm(residual, delta, weight, eps):
+    hidden = residual + delta
+    return hidden, _rms_norm(hidden, weight, eps)
+
+
 def _silu_mul(gate, up):
     return F.silu(gate) * up
 
@@ -57,7 +65,47 @@ def _compiled(fn):
 
 
 def _fused_rms_forward(self, hidden_states):
+    # the previous decoder layer may have normed this very tensor already, in the kernel that added it
+    pending = self.__dict__.pop("_quantkit_pending", None)
+    if pending is not None and pending[0] is hidden_states:
+        return pending[1]
     return _compiled(_rms_norm)(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _add_then_norm(residual, delta, norm):
+    """residual + delta, and norm(residual + delta), from one kernel."""
+    return _compiled(_add_rms_norm)(residual, delta, norm.weight, norm.variance_epsilon)
+
+
+# LlamaDecoderLayer.forward's statements (comments and layout aside), which _fused_layer_forward restates
+_LAYER_STATEMENTS = (
+    "residual = hidden_states",
+    "hidden_states = self.input_layernorm(hidden_states)",
+    "hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, "
+    "position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, "
+    "position_embeddings=position_embeddings, **kwargs)",
+    "hidden_states = residual + hidden_states",
+    "residual = hidden_states",
+    "hidden_states = self.post_attention_layernorm(hidden_states)",
+    "hidden_states = self.mlp(hidden_states)",
+    "hidden_states = residual + hidden_states",
+    "return hidden_states",
+)
+
+
+def _fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                         use_cache=False, position_embeddings=None, **kwargs):
+    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                             position_embeddings=position_embeddings, **kwargs)
+    hidden_states, normed = _add_then_norm(hidden_states, attn, self.post_attention_layernorm)
+    mlp_out = self.mlp(normed)
+    following = self.__dict__.get("_quantkit_next_norm")  # the next layer's input norm, or the final norm
+    if following is None:
+        return hidden_states + mlp_out
+    hidden_states, normed = _add_then_norm(hidden_states, mlp_out, following)
+    following._quantkit_pending = (hidden_states, normed)  # taken by that norm's forward if given this tensor
+    return hidden_states
 
 
 def _fused_mlp_forward(self, x):
@@ -70,8 +118,29 @@ def _llama_sources():
     from transformers.models.llama import modeling_llama as llama
 
     rotary = inspect.unwrap(llama.apply_rotary_pos_emb)
+    layer = inspect.getsource(llama.LlamaDecoderLayer.forward)
     return (inspect.getsource(llama.LlamaRMSNorm.forward), inspect.getsource(llama.LlamaMLP.forward),
-            inspect.getsource(rotary))
+            inspect.getsource(rotary), layer if _restated_layer(llama.LlamaDecoderLayer.forward) else None)
+
+
+def _restated_layer(forward):
+    """Whether `forward` is the decoder layer _fused_layer_forward restates: the same parameters and
+    defaults, and the same statements (parsed, so comments and line breaks do not matter)."""
+    import ast
+    import textwrap
+
+    ours, theirs = inspect.signature(_fused_layer_forward), inspect.signature(forward)
+    if [(p.name, p.kind, p.default) for p in ours.parameters.values()] != [
+            (p.name, p.kind, p.default) for p in theirs.parameters.values()]:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # a docstring
+    return tuple(ast.unparse(statement) for statement in body) == _LAYER_STATEMENTS
 
 
 def _same_source(fn, source):
@@ -82,11 +151,12 @@ def _same_source(fn, source):
 
 
 def fuse_pointwise(model):
-    """Compile the RMSNorms, SiLU·mul MLP activations and rotary embedding of `model` in place (see the
-    module docstring); returns {"rms_norm": n, "mlp": n, "rotary": n} modules/functions replaced.
+    """Compile the RMSNorms, SiLU·mul MLP activations, rotary embedding and residual adds (with the norm
+    after each) of `model` in place (see the module docstring); returns {"rms_norm": n, "mlp": n,
+    "rotary": n, "residual_norm": n} modules/functions replaced (residual_norm: decoder layers).
     Idempotent; unfuse_pointwise undoes it. Raises torch._dynamo's process-wide recompile limit to at least
     RECOMPILE_LIMIT. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
-    norm_src, mlp_src, rotary_src = _llama_sources()
+    norm_src, mlp_src, rotary_src, layer_src = _llama_sources()
     device = next(model.parameters()).device
     dynamo_config = torch._dynamo.config  # process-wide: raised, never lowered
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
@@ -95,7 +165,7 @@ def fuse_pointwise(model):
         _compiled(_silu_mul)(probe, probe)
     except Exception as exc:
         raise QuantkitError(f"torch.compile is not usable on {device}: {type(exc).__name__}: {exc}") from exc
-    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0, "residual_norm": 0}
     modeling_modules = set()
     for module in model.modules():
         cls = type(module)
@@ -108,6 +178,11 @@ def fuse_pointwise(model):
             counts["mlp"] += 1
         elif hasattr(module, "q_proj"):
             modeling_modules.add(sys.modules[cls.__module__])
+    for module in model.modules():  # after the norms: a layer is fused only when its norms are
+        if layer_src is not None and _same_source(type(module).forward, layer_src) and _fused_norms(module):
+            module.forward = types.MethodType(_fused_layer_forward, module)
+            counts["residual_norm"] += 1
+    _link_following_norms(model)
     for modeling in modeling_modules:
         rotary = getattr(modeling, "apply_rotary_pos_emb", None)
         if rotary is None:
@@ -122,11 +197,35 @@ def fuse_pointwise(model):
     return counts
 
 
+def _is_fused(module, fused_forward):
+    return getattr(getattr(module, "forward", None), "__func__", None) is fused_forward
+
+
+def _fused_norms(layer):
+    return all(_is_fused(getattr(layer, name, None), _fused_rms_forward)
+               for name in ("input_layernorm", "post_attention_layernorm"))
+
+
+def _link_following_norms(model):
+    # a fused layer adds its MLP output and applies the norm that comes next: the next layer's input
+    # norm, or the model's final norm after the last layer (models that hold `layers` and `norm`)
+    for parent in model.modules():
+        layers = getattr(parent, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            continue
+        following = [getattr(layer, "input_layernorm", None) for layer in layers][1:] + [getattr(parent, "norm", None)]
+        for layer, norm in zip(layers, following):
+            if _is_fused(layer, _fused_layer_forward) and _is_fused(norm, _fused_rms_forward):
+                object.__setattr__(layer, "_quantkit_next_norm", norm)  # not a submodule: no second registration
+
+
 def unfuse_pointwise(model):
     """Undo fuse_pointwise: the classes' own forwards and the original rotary function again."""
     for module in model.modules():
-        if getattr(module.forward, "__func__", None) in (_fused_rms_forward, _fused_mlp_forward):
+        if getattr(module.forward, "__func__", None) in (_fused_rms_forward, _fused_mlp_forward, _fused_layer_forward):
             del module.forward
+        for name in ("_quantkit_next_norm", "_quantkit_pending"):
+            module.__dict__.pop(name, None)
         if hasattr(module, "q_proj"):
             modeling = sys.modules[type(module).__module__]
             rotary = getattr(modeling, "apply_rotary_pos_emb", None)

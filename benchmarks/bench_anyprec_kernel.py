@@ -26,8 +26,7 @@ from quantkit.kernels import anyprec_gemm as ag
 from quantkit.kernels import build
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (28672, 8192)]  # out x in
-# "-PAIR": TLM through the PRMT register table instead of the pair table (3 bits only)
-VARIANTS = {"all": ag.ALL_FLAGS, "-PAIR": 7, "-LAYOUT": 6, "-IBT": 5, "-TLM": 3, "none": 0}
+VARIANTS = {"all": 7, "-LAYOUT": 6, "-IBT": 5, "-TLM": 3, "none": 0}
 
 
 def graph_time(calls, min_calls=40, rounds=7):
@@ -82,7 +81,7 @@ class Parent:
                 + batch * self.cols * 2 + batch * self.rows * 2)
 
 
-def kernel_calls(ext, parent, bits, x, out, flags=ag.ALL_FLAGS, tiles=None, natural=False):
+def kernel_calls(ext, parent, bits, x, out, flags=7, tiles=None, natural=False):
     calls = []
     for i, planes in enumerate(parent.planes):
         p = parent.natural[i] if natural else planes
@@ -172,8 +171,7 @@ def main():
                 for bits in widths:
                     base = None
                     for name, flags in VARIANTS.items():
-                        if not ext.has_matvec(torch.float16, bits, 1, flags) or (name == "-TLM" and bits > 3) or (
-                                name == "-PAIR" and bits != 3):
+                        if not ext.has_matvec(torch.float16, bits, 1, flags) or (name == "-TLM" and bits > 3):
                             continue
                         tk = graph_time(kernel_calls(ext, parent, bits, x, out, flags=flags, tiles=1,
                                                      natural=not flags & ag.FLAG_LAYOUT))

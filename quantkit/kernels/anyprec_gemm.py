@@ -24,8 +24,7 @@ from quantkit.kernels import build
 from quantkit.kernels.dispatch import register
 
 FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
-FLAG_PAIR = 8  # TLM as the paper's 64-entry pair table at 3 bits, one tile per block (else the PRMT table)
-ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM | FLAG_PAIR
+ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
 MAX_BATCH = 8  # rows of x per matvec launch
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before

@@ -27,9 +27,6 @@
 //
 // Decoding a word: the k plane words are merged ("bit-transposed") into words whose nibbles
 // (k <= 4) or bytes (k >= 5) hold whole codes, 8 or 4 per merged word, then looked up:
-//   k = 3 and PAIR (one tile per block): the paper's merged lookup, one shared-memory load per
-//          two codes from a 64-entry table of centroid pairs, each entry already the fp16x2
-//          register the mma takes (per lane-replicated table, as below);
 //   k <= 3 and TLM: table in registers, PRMT (byte permute) looks up 4 codes per instruction:
 //          one PRMT gathers the low bytes of 4 centroids, one the high bytes, two more
 //          interleave them into the two fp16x2 registers the mma takes;
@@ -48,9 +45,6 @@
 //          codes at once, instead of gathering each code bit by bit.
 //   TLM    (merged table lookups): for k <= 3 the PRMT register table (4 lookups per
 //          instruction) replaces one shared-memory lookup per weight. It has no effect at k >= 4.
-//   PAIR   (with all three, k = 3, one tile per block): TLM as the paper does it, a table of the
-//          64 centroid pairs, one lookup per fp16x2 register. Its address is one LOP3 (the PRMT
-//          table spends 4 PRMT per 2 registers): ~0.9 ALU instructions per weight instead of ~1.8.
 //
 // Hopper details (from the sm_90 SASS): the integer ALU pipe (LOP3 / PRMT / SHF, 64 lanes per
 // clock per SM) is what limits the decode, so (1) the shared tables start at a 2^(k+7)-aligned
@@ -92,7 +86,7 @@ namespace anyprec {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxBatch = 8;  // the mma's N
-constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4, FLAG_PAIR = 8;
+constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4;
 
 enum Status { kOk = 0, kUnsupported = 1, kBadArgs = 2, kLaunchFailed = 3 };
 
@@ -264,23 +258,18 @@ template <int K, int TILES, int FLAGS>
 struct Config {
   static constexpr bool LAYOUT = FLAGS & FLAG_LAYOUT;
   static constexpr bool IBT = FLAGS & FLAG_IBT;
-  // pair table: codes of slots q and q + 4 (one nibble apart in a merged word) share a register
-  static constexpr bool PAIR_LUT = (FLAGS & FLAG_PAIR) && K == 3 && TILES == 1 && LAYOUT && IBT && (FLAGS & FLAG_TLM);
-  static constexpr bool PRMT_LUT = (FLAGS & FLAG_TLM) && K <= 3 && !PAIR_LUT;
+  static constexpr bool PRMT_LUT = (FLAGS & FLAG_TLM) && K <= 3;
   static constexpr bool NIBBLE = K <= 4;                    // codes per merged word: 8 nibbles / 4 bytes
   static constexpr int MERGED = NIBBLE ? 4 : 8;             // merged words per 32-column word
   static constexpr int KT_PER_MERGED = NIBBLE ? 2 : 1;      // k-tiles (4 codes) per merged word
   static constexpr uint32_t BASE = NIBBLE ? 0x11111111u : 0x01010101u;
   static constexpr uint32_t MASK = (1u << K) - 1;
-  // pair tables: entry (c0, c1) at index c0 | c1 << 4 (the 7 bits from c0's start, bit 3 not
-  // used), i.e. bytes 7-9 and 11-13 of the offset; the two row slots' tables interleave at bit 10
-  static constexpr int TABLE_BYTES = PRMT_LUT ? 0 : PAIR_LUT ? 16384 : TILES * 2 * (1 << K) * 32 * 4;
-  // The table starts at a multiple of 2^(K+7) (pair: 2^14) in the shared window, so code * 128 and
-  // the lane's bank offset are or-ed into its base (one LOP3 per lookup); the slack for that
-  // alignment is allocated. At k = 8 the 32 KB of slack would cost a resident block: there the
-  // offset is added.
+  static constexpr int TABLE_BYTES = PRMT_LUT ? 0 : TILES * 2 * (1 << K) * 32 * 4;
+  // The table starts at a multiple of 2^(K+7) in the shared window, so code * 128 and the lane's
+  // bank offset are or-ed into its base (one LOP3 per lookup); the slack for that alignment is
+  // allocated. At k = 8 the 32 KB of slack would cost a resident block: there the offset is added.
   static constexpr bool TABLE_OR = !PRMT_LUT && K < 8;
-  static constexpr int TABLE_ALIGN = PAIR_LUT ? 16384 : TABLE_OR ? (1 << (K + 7)) : 16;
+  static constexpr int TABLE_ALIGN = TABLE_OR ? (1 << (K + 7)) : 16;
   static constexpr int RED_BYTES = kWarps * TILES * 32 * 4 * 4;
   // The ring (see the kernel): an item is one (tile, row slot, plane) of a lane; a warp step reads
   // PIECES 16-byte pieces (4 words of one row) per row and item, stage = all items of a step.
@@ -377,21 +366,8 @@ AP_HD uint4 smem_table_entry(const uint16_t* lut, int row, int M, int v) {
 }
 
 // byte offset of the table of (tile, row slot rs) inside the table area
-template <int K, bool PAIR = false>
-AP_HD constexpr int table_offset(int tile, int rs) { return PAIR ? rs * 1024 : (tile * 2 + rs) * (1 << K) * 128; }
-
-// Pair tables (k = 3, one tile): fill item i = (rs * 64 + e) * 8 + g, the 4 copies of entry e =
-// (c0 = e & 7, c1 = e >> 3) of row g of row slot rs, as one 16-byte store at byte `offset`.
-template <typename T>
-AP_HD uint4 pair_table_item(const uint16_t* lut, int row0, int M, int i, uint32_t& offset) {
-  const int g = i & 7, e = (i >> 3) & 63, rs = i >> 9, row = row0 + 8 * rs + g;
-  const int c0 = e & 7, c1 = e >> 3;
-  offset = uint32_t(table_offset<3, true>(0, rs) + (c0 | c1 << 4) * 128 + g * 16);
-  if (row >= M) return make_uint4(0, 0, 0, 0);
-  const uint16_t* r = lut + size_t(row) * 8;
-  const uint32_t pair = centroid_bits<T>(r[bitrev(c0, 3)]) | uint32_t(centroid_bits<T>(r[bitrev(c1, 3)])) << 16;
-  return make_uint4(pair, pair, pair, pair);
-}
+template <int K>
+AP_HD constexpr int table_offset(int tile, int rs) { return (tile * 2 + rs) * (1 << K) * 128; }
 
 // Fill item i = ((tile * 2 + rs) * 2^K + v) * 8 + g: one 16-byte store of the 4 copies of entry v
 // of row g of (tile, rs), at uint4 index i; g fastest keeps the 8 stores of a quarter-warp in
@@ -468,13 +444,7 @@ template <int K, int TILES, int FLAGS>
 AP_HD void decode_ktile(const uint32_t (&R)[K], uint32_t merged, int j, int h, const PrmtTable& pt,
                         const SmemTable& st, const Pow2& p2, uint32_t& pa, uint32_t& pb) {
   using C = Config<K, TILES, FLAGS>;
-  if constexpr (C::PAIR_LUT) {
-    // pa = codes of slots f0, f2 (starts s, s + 4), pb = f1, f3 (s + 8, s + 12): the 7 bits from
-    // each pair's start, moved to bit 7, masked to the two codes and or-ed into the lane's table
-    const int s = 16 * h + j;
-    pa = lds32((code_at_bit7<7>(merged, s, p2) & 0x3B80u) | st.lane_addr);
-    pb = lds32((code_at_bit7<7>(merged, s + 8, p2) & 0x3B80u) | st.lane_addr);
-  } else if constexpr (C::PRMT_LUT) {
+  if constexpr (C::PRMT_LUT) {
     // selector nibble i = code of slot i of the k-tile (slots 16h + 4i + j), fragment order
     // f0, f2, f1, f3 = slots 0, 1, 2, 3
     uint32_t sel;
@@ -551,11 +521,6 @@ AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const Prmt
     for (int h = 0; h < C::KT_PER_MERGED; ++h) {
       uint32_t b01, b23;
       load_xfrag<T, C::LAYOUT, C::NIBBLE>(xw, j, h, b01, b23);
-      if constexpr (C::PAIR_LUT) {  // the pair table's registers hold (f0, f2) and (f1, f3)
-        const uint32_t x01 = b01;
-        b01 = prmt(x01, b23, 0x5410);
-        b23 = prmt(x01, b23, 0x7632);
-      }
 #pragma unroll
       for (int tile = 0; tile < TILES; ++tile) {
         uint32_t a[4];  // (row g, 2t..), (row g+8, 2t..), (row g, 2t+8..), (row g+8, 2t+8..)
@@ -570,13 +535,10 @@ AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const Prmt
 // Instances built: every width in fp16 and bf16 with all optimisations (TILES = 2 where the
 // replicated tables fit, k <= 6); the ablations in fp16, k = 3..8, TILES = 1. `flags` is
 // normalised first (TLM only changes k <= 3).
-constexpr int normalize_flags(int k, int tiles, int flags) {
-  if (k > 3) flags |= FLAG_TLM;
-  return (k == 3 && tiles == 1 && (flags & 7) == 7) ? flags : (flags & ~FLAG_PAIR);  // PAIR: k = 3, one tile
-}
+constexpr int normalize_flags(int k, int flags) { return k > 3 ? (flags | FLAG_TLM) : flags; }
 
 constexpr bool compiled_rule(bool half, int k, int tiles, int flags) {
-  const bool prod = (flags == 7 && (tiles == 1 || (tiles == 2 && k <= 6))) || (flags == 15 && k == 3 && tiles == 1);
+  const bool prod = flags == 7 && (tiles == 1 || (tiles == 2 && k <= 6));
   const bool ablation = half && tiles == 1 && k >= 3 &&
                         (k <= 3 ? (flags == 6 || flags == 5 || flags == 3 || flags == 0)
                                 : (flags == 6 || flags == 5 || flags == 4));
@@ -702,17 +664,10 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
   for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
-      st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K, C::PAIR_LUT>(tile, rs)};
+      st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K>(tile, rs)};
       if constexpr (C::PRMT_LUT) pt[tile][rs] = prmt_table<K, T>(lut_row<K>(args.lut, row0 + 16 * tile + 8 * rs + g, M));
     }
-  if constexpr (C::PAIR_LUT) {
-    unsigned char* table = smem + (table_addr - red_addr);
-    for (int i = threadIdx.x; i < 2 * 64 * 8; i += kThreads) {
-      uint32_t offset;
-      const uint4 v = pair_table_item<T>(args.lut, row0, M, i, offset);
-      *reinterpret_cast<uint4*>(table + offset) = v;
-    }
-  } else if constexpr (!C::PRMT_LUT) {
+  if constexpr (!C::PRMT_LUT) {
     constexpr int items = TILES * 2 * (1 << K) * 8;
     unsigned char* table = smem + (table_addr - red_addr);
     for (int i = threadIdx.x; i < items; i += kThreads) {
@@ -830,7 +785,7 @@ __global__ void __launch_bounds__(128) dequant_kernel(const uint32_t* __restrict
 // launchers
 
 bool has_matvec(int dtype, int k, int tiles, int flags) {
-  return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, tiles, flags));
+  return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
 template <typename T, int K, int TILES, int FLAGS>
@@ -873,7 +828,6 @@ int launch_flags(int k, int flags, const MatvecArgs& a, cudaStream_t s) {
     case 5: return launch_k<T, TILES, 5>(k, a, s);
     case 6: return launch_k<T, TILES, 6>(k, a, s);
     case 7: return launch_k<T, TILES, 7>(k, a, s);
-    case 15: return launch_k<T, TILES, 15>(k, a, s);
     default: return kUnsupported;
   }
 }
@@ -885,7 +839,7 @@ int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args
   if (a.B < 1 || a.B > kMaxBatch || a.M < 1 || a.W < 1 || a.wstride < a.W || a.wstride % 4 != 0 || a.ldx < 32 * a.W)
     return kBadArgs;
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
-  flags = normalize_flags(k, tiles, flags);
+  flags = normalize_flags(k, flags);
   if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 1>(k, flags, a, stream);
   return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 2>(k, flags, a, stream);
 }

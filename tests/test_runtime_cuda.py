@@ -278,7 +278,7 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact):
     plain = decoder.generate(prompt, STEPS)
     stacking = None
     try:
-        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1}
+        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1, "residual_norm": 2}
         if stack:
             stacking = fuse_projections(model)
             assert stacking.count == 4

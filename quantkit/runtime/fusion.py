@@ -13,9 +13,9 @@ and their speed ratio stays a statement about the linears.
 Only pieces whose code is known are touched: an RMSNorm / MLP / decoder-layer forward or rotary function
 is replaced when its source equals transformers' Llama one (other architectures copy it verbatim:
 Mistral, Qwen2, ...), the MLP only with a SiLU activation, and the decoder layer only when its body is
-the one `_fused_layer_forward` restates (checked statement by statement). The fused functions compute the same expressions; inductor keeps
-intermediates in fp32 where eager rounds each op to the input dtype, so fp16 outputs can differ in the
-last bit. The rotary function is replaced in the model's modeling module, i.e. for every model of that
+the one `_fused_layer_forward` restates (checked statement by statement). The fused functions compute the
+same expressions; inductor keeps intermediates in fp32 where eager rounds each op to the input dtype, so
+fp16 outputs can differ in the last bit. The rotary function is replaced in the model's modeling module, i.e. for every model of that
 architecture in the process (it is the same function, compiled).
 """
 
@@ -23,6 +23,7 @@ import functools
 import inspect
 import sys
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -64,10 +65,18 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
+def _version(tensor):
+    try:
+        return tensor._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None
+
+
 def _fused_rms_forward(self, hidden_states):
     # the previous decoder layer may have normed this very tensor already, in the kernel that added it
+    # (unchanged since, where torch counts in-place changes)
     pending = self.__dict__.pop("_quantkit_pending", None)
-    if pending is not None and pending[0] is hidden_states:
+    if pending is not None and pending[0] is hidden_states and pending[2] == _version(hidden_states):
         return pending[1]
     return _compiled(_rms_norm)(hidden_states, self.weight, self.variance_epsilon)
 
@@ -77,13 +86,12 @@ def _add_then_norm(residual, delta, norm):
     return _compiled(_add_rms_norm)(residual, delta, norm.weight, norm.variance_epsilon)
 
 
-# LlamaDecoderLayer.forward's statements (comments and layout aside), which _fused_layer_forward restates
+# LlamaDecoderLayer.forward's statements (comments and layout aside), which _fused_layer_forward restates;
+# {args} are the forward's own keyword parameters passed on by name (transformers releases rename them)
 _LAYER_STATEMENTS = (
     "residual = hidden_states",
     "hidden_states = self.input_layernorm(hidden_states)",
-    "hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, "
-    "position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, "
-    "position_embeddings=position_embeddings, **kwargs)",
+    "hidden_states, _ = self.self_attn(hidden_states=hidden_states, {args}**kwargs)",
     "hidden_states = residual + hidden_states",
     "residual = hidden_states",
     "hidden_states = self.post_attention_layernorm(hidden_states)",
@@ -93,18 +101,23 @@ _LAYER_STATEMENTS = (
 )
 
 
-def _fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                         use_cache=False, position_embeddings=None, **kwargs):
-    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                             position_embeddings=position_embeddings, **kwargs)
+def _fused_layer_forward(self, hidden_states, *args, **kwargs):
+    params, renames = _llama_sources()["layer_params"]  # see _restated_layer
+    if args or self.training:  # the class's forward (transformers' wrapper around it checkpoints in training)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    for old, new in renames:  # what the forward's deprecate_kwarg decorators do
+        if old in kwargs:
+            warnings.warn(f"{old} is deprecated, use {new}", FutureWarning, stacklevel=2)
+            kwargs.setdefault(new, kwargs.pop(old))
+    passed = {name: kwargs.pop(name, default) for name, default in params}
+    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
     hidden_states, normed = _add_then_norm(hidden_states, attn, self.post_attention_layernorm)
     mlp_out = self.mlp(normed)
     following = self.__dict__.get("_quantkit_next_norm")  # the next layer's input norm, or the final norm
     if following is None:
         return hidden_states + mlp_out
     hidden_states, normed = _add_then_norm(hidden_states, mlp_out, following)
-    following._quantkit_pending = (hidden_states, normed)  # taken by that norm's forward if given this tensor
+    following._quantkit_pending = (hidden_states, normed, _version(hidden_states))  # see _fused_rms_forward
     return hidden_states
 
 
@@ -118,29 +131,69 @@ def _llama_sources():
     from transformers.models.llama import modeling_llama as llama
 
     rotary = inspect.unwrap(llama.apply_rotary_pos_emb)
-    layer = inspect.getsource(llama.LlamaDecoderLayer.forward)
-    return (inspect.getsource(llama.LlamaRMSNorm.forward), inspect.getsource(llama.LlamaMLP.forward),
-            inspect.getsource(rotary), layer if _restated_layer(llama.LlamaDecoderLayer.forward) else None)
+    params = _restated_layer(llama.LlamaDecoderLayer.forward)
+    return {"norm": inspect.getsource(llama.LlamaRMSNorm.forward), "mlp": inspect.getsource(llama.LlamaMLP.forward),
+            "rotary": inspect.getsource(rotary),
+            "layer": None if params is None else inspect.getsource(llama.LlamaDecoderLayer.forward),
+            "layer_params": params, "model": inspect.getsource(inspect.unwrap(llama.LlamaModel.forward))}
+
+
+@functools.cache
+def _deprecate_kwarg_code():
+    """The code of the wrapper transformers' deprecate_kwarg returns (None without that helper)."""
+    try:
+        from transformers.utils.deprecation import deprecate_kwarg
+    except ImportError:
+        return None
+    return deprecate_kwarg("old", "99.0", new_name="new")(lambda **kwargs: None).__code__
 
 
 def _restated_layer(forward):
-    """Whether `forward` is the decoder layer _fused_layer_forward restates: the same parameters and
-    defaults, and the same statements (parsed, so comments and line breaks do not matter)."""
+    """((name, default) of the keyword parameters, (old, new) keyword renames) when `forward` is the decoder
+    layer _fused_layer_forward restates, else None: self, hidden_states, keyword parameters with defaults
+    and **kwargs; the statements of _LAYER_STATEMENTS (parsed, so comments and line breaks do not matter)
+    with exactly those parameters passed on to the attention; no decorator but transformers'
+    deprecate_kwarg renames (restated too) and its gradient-checkpointing wrapper (see above)."""
     import ast
     import textwrap
 
-    ours, theirs = inspect.signature(_fused_layer_forward), inspect.signature(forward)
-    if [(p.name, p.kind, p.default) for p in ours.parameters.values()] != [
-            (p.name, p.kind, p.default) for p in theirs.parameters.values()]:
-        return False
+    wrapped = getattr(forward, "__wrapped__", None)
+    if wrapped is not None and forward.__code__.co_name == "forward_with_checkpointing":
+        forward = wrapped
+    inner, depth = forward, 0
+    while hasattr(inner, "__wrapped__"):
+        if getattr(inner, "__code__", None) is not _deprecate_kwarg_code():
+            return None  # a wrapper whose effect would be lost with the body
+        inner, depth = inner.__wrapped__, depth + 1
+    parameters = list(inspect.signature(forward).parameters.values())
+    named = parameters[2:-1]
+    if ([p.name for p in parameters[:2]] != ["self", "hidden_states"] or len(parameters) < 3
+            or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD or parameters[-1].name != "kwargs"
+            or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is inspect.Parameter.empty
+                   for p in named)):
+        return None
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
+    renames = []
+    for decorator in tree.body[0].decorator_list:
+        new = [k.value for k in getattr(decorator, "keywords", ()) if k.arg == "new_name"]
+        if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "deprecate_kwarg"
+                and decorator.args and isinstance(decorator.args[0], ast.Constant)
+                and len(new) == 1 == len(decorator.keywords) and isinstance(new[0], ast.Constant)):
+            return None  # a decorator whose effect would be lost with the body
+        renames.append((decorator.args[0].value, new[0].value))
+    if depth != len(renames):
+        return None
     body = tree.body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # a docstring
-    return tuple(ast.unparse(statement) for statement in body) == _LAYER_STATEMENTS
+    args = "".join(f"{p.name}={p.name}, " for p in named)
+    expected = tuple(statement.format(args=args) for statement in _LAYER_STATEMENTS)
+    if tuple(ast.unparse(statement) for statement in body) != expected:
+        return None
+    return tuple((p.name, p.default) for p in named), tuple(renames)
 
 
 def _same_source(fn, source):
@@ -156,7 +209,8 @@ def fuse_pointwise(model):
     "rotary": n, "residual_norm": n} modules/functions replaced (residual_norm: decoder layers).
     Idempotent; unfuse_pointwise undoes it. Raises torch._dynamo's process-wide recompile limit to at least
     RECOMPILE_LIMIT. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
-    norm_src, mlp_src, rotary_src, layer_src = _llama_sources()
+    sources = _llama_sources()
+    norm_src, mlp_src, rotary_src, layer_src = sources["norm"], sources["mlp"], sources["rotary"], sources["layer"]
     device = next(model.parameters()).device
     dynamo_config = torch._dynamo.config  # process-wide: raised, never lowered
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
@@ -182,7 +236,7 @@ def fuse_pointwise(model):
         if layer_src is not None and _same_source(type(module).forward, layer_src) and _fused_norms(module):
             module.forward = types.MethodType(_fused_layer_forward, module)
             counts["residual_norm"] += 1
-    _link_following_norms(model)
+    _link_following_norms(model, sources["model"])
     for modeling in modeling_modules:
         rotary = getattr(modeling, "apply_rotary_pos_emb", None)
         if rotary is None:
@@ -206,15 +260,19 @@ def _fused_norms(layer):
                for name in ("input_layernorm", "post_attention_layernorm"))
 
 
-def _link_following_norms(model):
-    # a fused layer adds its MLP output and applies the norm that comes next: the next layer's input
-    # norm, or the model's final norm after the last layer (models that hold `layers` and `norm`)
+def _link_following_norms(model, model_src):
+    # A fused layer adds its MLP output and applies the norm that comes next, where the code in between
+    # is known: the next layer's input norm when that layer is fused too, the final norm after the last
+    # layer the model's loop runs when the model's forward is Llama's.
     for parent in model.modules():
         layers = getattr(parent, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             continue
-        following = [getattr(layer, "input_layernorm", None) for layer in layers][1:] + [getattr(parent, "norm", None)]
-        for layer, norm in zip(layers, following):
+        known_model = _same_source(type(parent).forward, model_src)
+        ran = layers[: getattr(getattr(parent, "config", None), "num_hidden_layers", len(layers))]
+        following = [layer.input_layernorm if _is_fused(layer, _fused_layer_forward) else None for layer in ran][1:]
+        following.append(getattr(parent, "norm", None) if known_model else None)
+        for layer, norm in zip(ran, following):
             if _is_fused(layer, _fused_layer_forward) and _is_fused(norm, _fused_rms_forward):
                 object.__setattr__(layer, "_quantkit_next_norm", norm)  # not a submodule: no second registration
 

@@ -89,7 +89,7 @@ def capture_layer_inputs(model, layers, calib_ids, device, store=None):
         _move_outside(model, layers, "cpu")
     inputs = torch.cat([hidden for hidden, _, _ in sink])
     _, args, kwargs = sink[0]
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "cache", "use_cache")}
     return inputs, args, kwargs
 
 

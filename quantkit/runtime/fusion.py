@@ -102,7 +102,7 @@ _LAYER_STATEMENTS = (
 
 
 def _fused_layer_forward(self, hidden_states, *args, **kwargs):
-    params, renames = _llama_sources()["layer_params"]  # see _restated_layer
+    params, renames = _restated_layer(type(self).forward)
     if args or self.training:  # the class's forward (transformers' wrapper around it checkpoints in training)
         return type(self).forward(self, hidden_states, *args, **kwargs)
     for old, new in renames:  # what the forward's deprecate_kwarg decorators do
@@ -131,11 +131,8 @@ def _llama_sources():
     from transformers.models.llama import modeling_llama as llama
 
     rotary = inspect.unwrap(llama.apply_rotary_pos_emb)
-    params = _restated_layer(llama.LlamaDecoderLayer.forward)
     return {"norm": inspect.getsource(llama.LlamaRMSNorm.forward), "mlp": inspect.getsource(llama.LlamaMLP.forward),
-            "rotary": inspect.getsource(rotary),
-            "layer": None if params is None else inspect.getsource(llama.LlamaDecoderLayer.forward),
-            "layer_params": params, "model": inspect.getsource(inspect.unwrap(llama.LlamaModel.forward))}
+            "rotary": inspect.getsource(rotary), "model": inspect.getsource(inspect.unwrap(llama.LlamaModel.forward))}
 
 
 @functools.cache
@@ -148,9 +145,11 @@ def _deprecate_kwarg_code():
     return deprecate_kwarg("old", "99.0", new_name="new")(lambda **kwargs: None).__code__
 
 
+@functools.cache  # per class forward: fuse_pointwise asks for every module of a model
 def _restated_layer(forward):
     """((name, default) of the keyword parameters, (old, new) keyword renames) when `forward` is the decoder
-    layer _fused_layer_forward restates, else None: self, hidden_states, keyword parameters with defaults
+    layer _fused_layer_forward restates (transformers' Llama one, and the architectures that copy it), else
+    None: self, hidden_states, keyword parameters with defaults
     and **kwargs; the statements of _LAYER_STATEMENTS (parsed, so comments and line breaks do not matter)
     with exactly those parameters passed on to the attention; no decorator but transformers'
     deprecate_kwarg renames (restated too) and its gradient-checkpointing wrapper (see above)."""
@@ -165,16 +164,18 @@ def _restated_layer(forward):
         if getattr(inner, "__code__", None) is not _deprecate_kwarg_code():
             return None  # a wrapper whose effect would be lost with the body
         inner, depth = inner.__wrapped__, depth + 1
-    parameters = list(inspect.signature(forward).parameters.values())
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
     named = parameters[2:-1]
     if ([p.name for p in parameters[:2]] != ["self", "hidden_states"] or len(parameters) < 3
             or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD or parameters[-1].name != "kwargs"
             or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is inspect.Parameter.empty
                    for p in named)):
         return None
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
+    if not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
         return None
     renames = []
     for decorator in tree.body[0].decorator_list:
@@ -210,7 +211,7 @@ def fuse_pointwise(model):
     Idempotent; unfuse_pointwise undoes it. Raises torch._dynamo's process-wide recompile limit to at least
     RECOMPILE_LIMIT. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
     sources = _llama_sources()
-    norm_src, mlp_src, rotary_src, layer_src = sources["norm"], sources["mlp"], sources["rotary"], sources["layer"]
+    norm_src, mlp_src, rotary_src = sources["norm"], sources["mlp"], sources["rotary"]
     device = next(model.parameters()).device
     dynamo_config = torch._dynamo.config  # process-wide: raised, never lowered
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
@@ -233,7 +234,7 @@ def fuse_pointwise(model):
         elif hasattr(module, "q_proj"):
             modeling_modules.add(sys.modules[cls.__module__])
     for module in model.modules():  # after the norms: a layer is fused only when its norms are
-        if layer_src is not None and _same_source(type(module).forward, layer_src) and _fused_norms(module):
+        if _restated_layer(type(module).forward) is not None and _fused_norms(module):
             module.forward = types.MethodType(_fused_layer_forward, module)
             counts["residual_norm"] += 1
     _link_following_norms(model, sources["model"])

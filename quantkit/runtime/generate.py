@@ -251,6 +251,7 @@ class StaticGreedyDecoder:
         params = inspect.signature(model.forward).parameters
         self._pass_cache_position = "cache_position" in params
         self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):
             raise QuantkitError(f"StaticGreedyDecoder needs sdpa or eager attention (its mask is additive), not {attn}")
@@ -283,7 +284,7 @@ class StaticGreedyDecoder:
 
     def _next_token(self, ids, positions):
         kwargs = {"input_ids": ids, "position_ids": positions, "attention_mask": self._mask(positions),
-                  "past_key_values": self.cache, "use_cache": True}
+                  self._cache_arg: self.cache, "use_cache": True}
         if self._pass_cache_position:
             kwargs["cache_position"] = positions[0]
         if self._keep_arg:

@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e_decode import build_model, captured_step_ms, decoder_linears, stub_forward  # noqa: E402
 
 from quantkit.runtime.fusion import fuse_pointwise, fuse_projections  # noqa: E402
+from quantkit.runtime.generate import StaticGreedyDecoder  # noqa: E402
 
 
-def profile_step(model, prompt, max_len, replays):
-    ms_per_step, decoder = captured_step_ms(model, prompt, max_len, 50)
+def profile_step(model, prompt, max_len, replays, attention):
+    ms_per_step, decoder = captured_step_ms(model, prompt, max_len, 50, attention)
     decoder.prefill(prompt)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         decoder.steps(replays)
@@ -46,7 +47,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-len", type=int, default=256, help="static cache length (attention reads all of it)")
+    ap.add_argument("--max-len", type=int, default=256, help="static cache length (SDPA reads all of it)")
+    ap.add_argument("--attention", default="split", choices=StaticGreedyDecoder.ATTENTION_MODES,
+                    help="the decoder's attention in decode steps (see StaticGreedyDecoder) [split]")
     ap.add_argument("--replays", type=int, default=20, help="profiled decode steps")
     ap.add_argument("--real", action="store_true", help="keep the fp16 linears (cuBLAS) instead of stubbing them")
     ap.add_argument("--top", type=int, default=20, help="kernels printed")
@@ -63,11 +66,12 @@ def main():
             module.forward = stub_forward(module, args.prompt_len)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device="cuda")
     with torch.inference_mode():
-        ms_per_step, rows = profile_step(model, prompt, args.max_len, args.replays)
+        ms_per_step, rows = profile_step(model, prompt, args.max_len, args.replays, args.attention)
     busy = sum(r["us_per_step"] for r in rows) / 1000
     launches = sum(r["per_step"] for r in rows)
     what = "fp16 linears (cuBLAS)" if args.real else "linears stubbed"
-    print(f"{torch.cuda.get_device_name()}, {args.layers} layers, full fusion, {what}: {ms_per_step:.3f} ms per step "
+    print(f"{torch.cuda.get_device_name()}, {args.layers} layers, full fusion, {args.attention} attention, {what}: "
+          f"{ms_per_step:.3f} ms per step "
           f"(CUDA events); profiler: {launches:.0f} kernels per step, {busy:.3f} ms busy")
     print(f"{'per step':>8}  {'us/step':>8}  {'us each':>7}  kernel")
     for r in rows[: args.top]:
@@ -77,6 +81,7 @@ def main():
         Path(args.json).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
             "prompt_len": args.prompt_len, "max_len": args.max_len, "replays": args.replays,
+            "attention": args.attention,
             "linears": "real" if args.real else "stubbed", "ms_per_step": ms_per_step,
             "kernels_per_step": launches, "busy_ms_per_step": busy, "kernels": rows}, indent=2))
 

@@ -1,0 +1,101 @@
+"""runtime.add_norm: the Triton residual-add + RMSNorm kernel computes what transformers' Llama does."""
+
+import pytest
+import torch
+
+from quantkit.runtime import add_norm
+
+# (rows, width, dtype, strided rows): a decode row of a 7B model, a prefill of a width that is not a
+# power of two (SmolLM2's 576), bf16, and rows that are views of a wider (stacked) tensor
+CASES = [(1, 4096, torch.float16, False), (5, 576, torch.float16, False), (3, 64, torch.bfloat16, False),
+         (4, 256, torch.float16, True)]
+
+
+def _case(rows, width, dtype, strided, device="cpu"):
+    g = torch.Generator().manual_seed(rows * width)
+    if strided:
+        wide = torch.randn(rows, 3 * width, generator=g).to(dtype)
+        residual, delta = wide[:, :width], wide[:, 2 * width:]
+    else:
+        residual, delta = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
+    return residual.to(device), delta.to(device), weight.to(device)
+
+
+def _check(got, want):
+    """[] when the kernel's (hidden, normed) match the reference: the sum bit-equal (bf16: within one
+    rounding, as Triton's interpreter rounds fp32 -> bf16 its own way), the norm within an ulp."""
+    problems = []
+    exact = got[0].dtype != torch.bfloat16
+    if not (torch.equal(got[0], want[0]) if exact else
+            torch.allclose(got[0].float(), want[0].float(), rtol=2**-7, atol=0)):
+        problems.append("hidden differs")
+    if got[1].dtype != want[1].dtype or got[1].shape != want[1].shape:
+        problems.append(f"normed {got[1].dtype} {tuple(got[1].shape)}")
+    elif not torch.allclose(got[1].float(), want[1].float(), rtol=1e-2, atol=1e-2):
+        problems.append(f"normed off by {(got[1].float() - want[1].float()).abs().max().item()}")
+    return problems
+
+
+# Triton picks interpreted or compiled kernels when it is imported: the interpreter runs in a fresh process
+_INTERPRETED = """
+import json, sys
+sys.path[:0] = {paths!r}
+from test_add_norm import CASES, _case, _check
+from quantkit.runtime import add_norm
+report = []
+for case in CASES:
+    residual, delta, weight = _case(*case)
+    got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
+    report.append(_check(got, add_norm.reference(residual, delta, weight, 1e-5)))
+print(json.dumps(report))
+"""
+
+
+def test_interpreted_kernel_matches_reference():
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = _INTERPRETED.format(paths=[str(here), str(here.parent)])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report == [[]] * len(CASES), list(zip(CASES, report))
+
+
+def test_reference_is_transformers_llama_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    residual, delta, weight = _case(2, 64, torch.float16, False)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(torch.float16)
+    norm.weight.data.copy_(weight)
+    hidden, normed = add_norm.reference(residual, delta, weight, 1e-5)
+    assert torch.equal(hidden, residual + delta) and torch.equal(normed, norm(residual + delta))
+
+
+def test_unsupported_inputs_are_refused():
+    residual, delta, weight = _case(1, 64, torch.float16, False)
+    assert not add_norm.supported(residual, delta, weight)  # CPU
+    if torch.cuda.is_available() and add_norm.available():
+        r, d, w = (t.cuda() for t in (residual, delta, weight))
+        assert add_norm.supported(r, d, w)
+        assert not add_norm.supported(r.float(), d.float(), w)  # fp32
+        assert not add_norm.supported(r, d, w.float())  # the weight in another dtype
+        assert not add_norm.supported(r.t(), d.t(), w)  # last dimension strided
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_matches_reference(case):
+    if not add_norm.available():
+        pytest.skip("Triton missing")
+    residual, delta, weight = _case(*case, device="cuda")
+    assert add_norm.supported(residual, delta, weight)
+    got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
+    assert _check(got, add_norm.reference(residual, delta, weight, 1e-5)) == []

@@ -83,3 +83,24 @@ def smollm2_path():
     if not path.is_file():
         pytest.skip("SmolLM2 not fetched (run `quantkit fetch-model`; `make test` does)")
     return path
+
+
+@pytest.fixture
+def run_interpreted():
+    """run_interpreted(code) -> the JSON its last printed line holds: `code` runs in a fresh process under
+    Triton's interpreter (Triton picks interpreted or compiled kernels when it is imported, and another
+    test may have imported it already), with tests/ and the repository first on sys.path as `{paths}`."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+
+    def run(code):
+        done = subprocess.run([sys.executable, "-c", code.format(paths=[str(here), str(here.parent)])],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run

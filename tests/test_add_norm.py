@@ -37,7 +37,7 @@ def _check(got, want):
     return problems
 
 
-# Triton picks interpreted or compiled kernels when it is imported: the interpreter runs in a fresh process
+# run in a fresh process under Triton's interpreter (the run_interpreted fixture, conftest.py)
 _INTERPRETED = """
 import json, sys
 sys.path[:0] = {paths!r}
@@ -52,20 +52,8 @@ print(json.dumps(report))
 """
 
 
-def test_interpreted_kernel_matches_reference():
-    pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    code = _INTERPRETED.format(paths=[str(here), str(here.parent)])
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+def test_interpreted_kernel_matches_reference(run_interpreted):
+    report = run_interpreted(_INTERPRETED)
     assert report == [[]] * len(CASES), list(zip(CASES, report))
 
 

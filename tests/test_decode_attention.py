@@ -76,8 +76,7 @@ def test_reference_equals_sdpa_with_the_decoders_mask(case):
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
-# Triton picks interpreted or compiled kernels when it is imported, so the interpreter runs in a fresh
-# process with TRITON_INTERPRET=1 (another test may have imported Triton already)
+# run in a fresh process under Triton's interpreter (the run_interpreted fixture, conftest.py)
 _INTERPRETED = """
 import json, sys, torch
 sys.path[:0] = {paths!r}
@@ -96,20 +95,8 @@ print(json.dumps({{"cases": report, "counters_left": int(shared.abs().sum())}}))
 """
 
 
-def test_interpreted_kernel_matches_reference():
-    pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    code = _INTERPRETED.format(paths=[str(here), str(here.parent)])
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+def test_interpreted_kernel_matches_reference(run_interpreted):
+    report = run_interpreted(_INTERPRETED)
     assert report["counters_left"] == 0
     for case, r in zip(CASES, report["cases"], strict=True):
         assert r["shape"] == [case[0], 1, case[1], case[4]] and r["dtype"] == "torch.float16", (case, r)

@@ -8,21 +8,16 @@ Llama does eagerly: the sum rounded to the input dtype, its mean square and rsqr
 values rounded to the input dtype before the weight multiplies them (in fp32, rounded once).
 """
 
-import functools
-
 import torch
+
+from quantkit.runtime.triton_kernel import lazy_kernel
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
 
 
-@functools.cache
-def _kernel():
-    """The kernel, compiled by Triton on first launch; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@lazy_kernel
+def _kernel(triton, tl):
+    """The kernel, compiled by Triton on first launch."""
 
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quantkit.runtime.triton_kernel import lazy_kernel
+
 ATTENTION_NAME = "quantkit_static_decode"
 STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's forward kwargs
 CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
@@ -64,14 +66,9 @@ def write_kv(keys, values, key_states, value_states, position):
     values.index_copy_(2, position, value_states)
 
 
-@functools.cache
-def _kernel():
-    """The attention kernel, compiled by Triton on first launch; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@lazy_kernel
+def _kernel(triton, tl):
+    """The attention kernel, compiled by Triton on first launch."""
 
     @triton.jit
     def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr, count_ptr, out_ptr,

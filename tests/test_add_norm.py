@@ -47,7 +47,7 @@ report = []
 for case in CASES:
     residual, delta, weight = _case(*case)
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
-    report.append(_check(got, add_norm.reference(residual, delta, weight, 1e-5)))
+    report.append(_check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)))
 print(json.dumps(report))
 """
 
@@ -57,13 +57,13 @@ def test_interpreted_kernel_matches_reference(run_interpreted):
     assert report == [[]] * len(CASES), list(zip(CASES, report))
 
 
-def test_reference_is_transformers_llama_norm():
+def test_torch_expression_is_transformers_llama_norm():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     residual, delta, weight = _case(2, 64, torch.float16, False)
     norm = LlamaRMSNorm(64, eps=1e-5).to(torch.float16)
     norm.weight.data.copy_(weight)
-    hidden, normed = add_norm.reference(residual, delta, weight, 1e-5)
+    hidden, normed = add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)
     assert torch.equal(hidden, residual + delta) and torch.equal(normed, norm(residual + delta))
 
 
@@ -86,4 +86,4 @@ def test_cuda_kernel_matches_reference(case):
     residual, delta, weight = _case(*case, device="cuda")
     assert add_norm.supported(residual, delta, weight)
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
-    assert _check(got, add_norm.reference(residual, delta, weight, 1e-5)) == []
+    assert _check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)) == []

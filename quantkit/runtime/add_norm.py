@@ -67,9 +67,18 @@ def add_rms_norm(residual, delta, weight, eps):
     return hidden, normed
 
 
-def reference(residual, delta, weight, eps):
-    """The same in PyTorch, as transformers' Llama computes it."""
-    hidden = residual + delta
+def rms_norm_torch(hidden, weight, eps):
+    """LlamaRMSNorm.forward's expression (fusion checks that source) over tensors rather than the module,
+    which runtime.fusion compiles: compiling the method itself would guard on each instance and recompile
+    per layer."""
+    dtype = hidden.dtype
     h = hidden.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return hidden, weight * h.to(hidden.dtype)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm_torch(residual, delta, weight, eps):
+    """What `add_rms_norm` computes, in PyTorch, as transformers' Llama does it (its reference, and
+    runtime.fusion's compiled path where the kernel does not serve)."""
+    hidden = residual + delta
+    return hidden, rms_norm_torch(hidden, weight, eps)

@@ -35,20 +35,6 @@ from quantkit.runtime import add_norm
 from quantkit.runtime.quant_linear import QuantLinear
 
 
-def _rms_norm(hidden, weight, eps):
-    # LlamaRMSNorm.forward's expression (fuse_pointwise checks that source) over tensors rather than the
-    # module: compiling the method itself would guard on each instance and recompile per layer
-    dtype = hidden.dtype
-    h = hidden.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _add_rms_norm(residual, delta, weight, eps):
-    hidden = residual + delta
-    return hidden, _rms_norm(hidden, weight, eps)
-
-
 def _silu_mul(gate, up):
     return F.silu(gate) * up
 
@@ -79,7 +65,7 @@ def _fused_rms_forward(self, hidden_states):
     pending = self.__dict__.pop("_quantkit_pending", None)
     if pending is not None and pending[0] is hidden_states and pending[2] == _version(hidden_states):
         return pending[1]
-    return _compiled(_rms_norm)(hidden_states, self.weight, self.variance_epsilon)
+    return _compiled(add_norm.rms_norm_torch)(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _add_then_norm(residual, delta, norm):
@@ -87,7 +73,7 @@ def _add_then_norm(residual, delta, norm):
     less per call than inductor's at batch 1), else the compiled expression."""
     if add_norm.supported(residual, delta, norm.weight):
         return add_norm.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon)
-    return _compiled(_add_rms_norm)(residual, delta, norm.weight, norm.variance_epsilon)
+    return _compiled(add_norm.add_rms_norm_torch)(residual, delta, norm.weight, norm.variance_epsilon)
 
 
 # LlamaDecoderLayer.forward's statements (comments and layout aside), which _fused_layer_forward restates;

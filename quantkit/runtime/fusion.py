@@ -53,10 +53,7 @@ def _compiled(fn):
 
 
 def _version(tensor):
-    try:
-        return tensor._version
-    except RuntimeError:  # inference-mode tensors keep no version counter
-        return None
+    return None if tensor.is_inference() else tensor._version  # inference tensors keep no version counter
 
 
 def _fused_rms_forward(self, hidden_states):

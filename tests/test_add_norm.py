@@ -11,15 +11,27 @@ CASES = [(1, 4096, torch.float16, False), (5, 576, torch.float16, False), (3, 64
          (4, 256, torch.float16, True)]
 
 
-def _case(rows, width, dtype, strided, device="cpu"):
+def _case(rows, width, dtype, strided, device="cpu", consume=False):
+    """residual, delta, weight; consume: delta is an fp32 accumulator (QuantLinear.accumulate's)."""
     g = torch.Generator().manual_seed(rows * width)
     if strided:
         wide = torch.randn(rows, 3 * width, generator=g).to(dtype)
         residual, delta = wide[:, :width], wide[:, 2 * width:]
     else:
         residual, delta = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
+    if consume:  # values between fp16's: rounding them first or adding them in fp32 gives different sums
+        delta = torch.randn(rows, width, generator=g) * 3
     weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
     return residual.to(device), delta.to(device), weight.to(device)
+
+
+def _consumed(case, device="cpu"):
+    """[] when add_rms_norm(consume=True) adds the accumulator as the matvec's fp16 output (then in the
+    model's dtype) and leaves it zero."""
+    residual, acc, weight = _case(*case, device=device, consume=True)
+    want = add_norm.add_rms_norm_torch(residual, acc.half().to(residual.dtype), weight, 1e-5)
+    got = add_norm.add_rms_norm(residual, acc, weight, 1e-5, consume=True)
+    return _check(got, want) + ([] if not acc.any() else ["accumulator not cleared"])
 
 
 def _check(got, want):
@@ -40,21 +52,27 @@ def _check(got, want):
 # run in a fresh process under Triton's interpreter (the run_interpreted fixture, conftest.py)
 _INTERPRETED = """
 import json, sys
+import torch
 sys.path[:0] = {paths!r}
-from test_add_norm import CASES, _case, _check
+from test_add_norm import CASES, _case, _check, _consumed
 from quantkit.runtime import add_norm
 report = []
 for case in CASES:
     residual, delta, weight = _case(*case)
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
     report.append(_check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)))
+report += [_consumed(case) for case in CASES if case[2] == torch.float16]  # bf16: see CONSUMED_INTERPRETED
 print(json.dumps(report))
 """
+# The interpreter's fp32 -> bf16 conversion is not round-to-nearest, and the accumulator goes through two
+# roundings (fp16, then bf16): bf16 accumulators are checked on CUDA only.
+CONSUMED_INTERPRETED = [case for case in CASES if case[2] == torch.float16]
 
 
 def test_interpreted_kernel_matches_reference(run_interpreted):
     report = run_interpreted(_INTERPRETED)
-    assert report == [[]] * len(CASES), list(zip(CASES, report))
+    cases = CASES + CONSUMED_INTERPRETED
+    assert report == [[]] * len(cases), list(zip(cases, report))
 
 
 def test_torch_expression_is_transformers_llama_norm():
@@ -76,6 +94,7 @@ def test_unsupported_inputs_are_refused():
         assert not add_norm.supported(r.float(), d.float(), w)  # fp32
         assert not add_norm.supported(r, d, w.float())  # the weight in another dtype
         assert not add_norm.supported(r.t(), d.t(), w)  # last dimension strided
+        assert not add_norm.supported(r, d, w, consume=True) and add_norm.supported(r, d.float(), w, consume=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -87,3 +106,11 @@ def test_cuda_kernel_matches_reference(case):
     assert add_norm.supported(residual, delta, weight)
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
     assert _check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_consumes_an_accumulator(case):
+    if not add_norm.available():
+        pytest.skip("Triton missing")
+    assert _consumed(case, device="cuda") == []

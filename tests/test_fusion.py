@@ -234,3 +234,52 @@ def test_projections_that_differ_stay_apart():
     assert hasattr(model.model.layers[0].mlp, "fused_gate_up") and hasattr(model.model.layers[1].self_attn, "fused_q_k_v")
     assert not hasattr(model.model.layers[0].self_attn, "fused_q_k_v")
     assert not hasattr(model.model.layers[1].mlp, "fused_gate_up")
+
+
+def test_quantized_mlp_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
+    """With stacked quantized projections, each fused layer runs gate/up and down as accumulations (the
+    LUT kernels' fp32 sums, faked here on the CPU with the contract's checks): SiLU·mul and the add + norm
+    finish them, the logits are bit-equal to the unfused model's, and every accumulator is left zero.
+    A layer whose down projection has a forward hook keeps the ordinary calls."""
+    import torch.nn.functional as F
+
+    from quantkit.runtime import QuantLinear, fusion
+    from quantkit.runtime.fusion import fuse_projections
+
+    calls = []
+
+    def fake_accumulate(module, x):  # QuantLinear.accumulate as the LUT kernels do it, on the CPU
+        tokens = x.reshape(-1, x.shape[-1]).shape[0]
+        if tokens > 8:
+            return None  # more tokens go to dequantize + cuBLAS
+        sums = module.__dict__.setdefault("_fake_sums", torch.zeros(8 * module.out_features))
+        assert not sums.any(), "the previous sums were not consumed"
+        calls.append(module)
+        view = sums[: tokens * module.out_features].view(*x.shape[:-1], module.out_features)
+        view += F.linear(x, module.dequantized_weight(x.dtype)).float()  # rounds to the matvec's fp16 output
+        return view
+
+    monkeypatch.setattr(QuantLinear, "accumulate", fake_accumulate)
+    monkeypatch.setattr(fusion, "_compiled", lambda fn: fn)  # eager, so bit-equality is the check
+    model = _quantize_linears(_tiny_llama(layers=3), "uniform").half()
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(8))
+    handle = fuse_projections(model)  # stacked uniform projections run on their BCQ form: the reference too
+    with torch.inference_mode():
+        want = model(ids).logits
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: None)
+    try:
+        fuse_pointwise(model)
+        with torch.inference_mode():
+            got = model(ids).logits
+            assert torch.equal(got, want)
+            layers = model.model.layers
+            expected = [layers[i].mlp.fused_gate_up if j == 0 else layers[i].mlp.down_proj for i in (0, 2) for j in (0, 1)]
+            assert [id(m) for m in calls] == [id(m) for m in expected]
+            sums = [m.__dict__["_fake_sums"] for m in model.modules() if "_fake_sums" in m.__dict__]
+            assert len(sums) == 4 and not any(s.any() for s in sums)
+            calls.clear()
+            assert torch.equal(model(torch.cat([ids, ids], dim=1)).logits[:, :5], want)  # 10 tokens: ordinary calls
+            assert calls == []
+    finally:
+        unfuse_pointwise(model)
+        handle.undo()

@@ -79,6 +79,14 @@ class FakeOps:
         y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1]), bias)
         out.copy_(y.to(torch.float16))
 
+    def lut_accumulate(self, x, qweight, alpha, offset, group_size, acc, mma_min_batch=9):
+        assert x.dtype == torch.float16 and x.is_contiguous() and acc.dtype == torch.float32
+        assert mma_min_batch == lutgemm.MMA_MIN_BATCH
+        k = qweight.shape[2]
+        self.calls.append(("lut_accumulate", x.shape[0]))
+        sums = acc[: x.shape[0] * k].view(x.shape[0], k)
+        sums += reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1])).float()
+
     def dequantize(self, qweight, alpha, offset, group_size, out):
         self.calls.append(("dequantize", out.dtype))
         out.copy_(self._tensor(qweight, alpha, offset, group_size, out.shape[1]).dequantize(out.dtype))
@@ -102,7 +110,8 @@ def _uniform_module(k=64, d=160, bits=4, g=32, sym=False, bias=True, seed=0, g_i
 
 def test_registered_with_dispatch():
     assert dispatch._FORWARDS["bcq"] is lutgemm.forward
-    assert dispatch._FORWARDS["uniform"] is lutgemm.forward_uniform
+    assert dispatch._FORWARDS["uniform"] is lutgemm.forward
+    assert dispatch._ACCUMULATES["bcq"] is dispatch._ACCUMULATES["uniform"] is lutgemm.accumulate
 
 
 def test_switch_rule_32bit_offset_bound():
@@ -186,8 +195,8 @@ def test_uniform_converts_once_and_keeps_it_off_the_state_dict(fake_ops, monkeyp
 
     monkeypatch.setattr(lutgemm, "bcq_from_uniform", counting)
     x = torch.randn(3, 160)
-    y1 = lutgemm.forward_uniform(module, x)
-    y2 = lutgemm.forward_uniform(module, x)
+    y1 = lutgemm.forward(module, x)
+    y2 = lutgemm.forward(module, x)
     assert len(conversions) == 1 and torch.equal(y1, y2)
     assert isinstance(getattr(module, "_lutgemm_bcq")[1], lutgemm.BCQTensors)
     assert set(module.state_dict()) == {"qweight", "scales", "qzeros", "bias"}
@@ -200,21 +209,51 @@ def test_uniform_through_bcq_matches_uniform_reference(fake_ops, bits, g, sym):
     module = _uniform_module(bits=bits, g=g, sym=sym, seed=bits)
     for tokens in (1, 40):
         x = torch.randn(tokens, 160)
-        y = lutgemm.forward_uniform(module, x)
+        y = lutgemm.forward(module, x)
         assert rel_err(y, module(x).double()) < 2e-3
 
 
 def test_uniform_with_g_idx_falls_back(fake_ops):
     module = _uniform_module(g_idx=True)
-    assert lutgemm.forward_uniform(module, torch.randn(2, 160)) is None
+    assert lutgemm.forward(module, torch.randn(2, 160)) is None
     assert fake_ops.calls == []
+
+
+def test_accumulate_leaves_the_sums_that_round_to_the_output(fake_ops):
+    module = QuantLinear(make_bcq(64, 160, 3, 32, offset=True))
+    x = torch.randn(2, 3, 160, dtype=torch.float16)
+    y = lutgemm.forward(module, x)
+    acc = lutgemm.accumulate(module, x)
+    assert acc.dtype == torch.float32 and acc.shape == (2, 3, 64)
+    assert acc.data_ptr() == getattr(module, "_lutgemm_workspace").data_ptr()  # the kept workspace, in place
+    assert torch.equal(acc.half(), y)
+    acc.zero_()  # the consumer's part of the contract; the next call adds to zeros again
+    assert torch.equal(lutgemm.accumulate(module, x).half(), y)
+    assert [c[0] for c in fake_ops.calls] == ["lut_gemm", "lut_accumulate", "lut_accumulate"]
+
+
+@pytest.mark.parametrize("case", ["bias", "tokens", "dtype", "groups", "g_idx"])
+def test_accumulate_declines_without_running(fake_ops, case):
+    k, d, g, tokens, dtype, bias = 64, 160, 32, 1, torch.float16, None
+    if case == "bias":
+        bias = torch.randn(k)  # the sums would lack it
+    elif case == "tokens":
+        tokens = lutgemm.MATVEC_MAX_TOKENS + 1
+    elif case == "dtype":
+        dtype = torch.float64
+    elif case == "groups":
+        g = 48
+    module = _uniform_module(g_idx=True, bias=False) if case == "g_idx" else QuantLinear(make_bcq(k, d, 3, g, offset=True), bias=bias)
+    assert lutgemm.accumulate(module, torch.randn(tokens, d).to(dtype)) is None
+    assert fake_ops.calls == [] and getattr(module, "_lutgemm_workspace", None) is None
 
 
 def test_no_extension_means_reference(monkeypatch):
     monkeypatch.setattr(lutgemm, "kernels", lambda: None)
     module = QuantLinear(make_bcq(32, 64, 2, 32, offset=False))
     assert lutgemm.forward(module, torch.randn(1, 64)) is None
-    assert lutgemm.forward_uniform(_uniform_module(), torch.randn(1, 160)) is None
+    assert lutgemm.accumulate(module, torch.randn(1, 64)) is None
+    assert lutgemm.forward(_uniform_module(), torch.randn(1, 160)) is None
 
 
 # ---- CPU: the kernel source under its host emulation ---------------------------------------------
@@ -292,6 +331,28 @@ def test_emulated_lut_gemm(emulator, tmp_path, n, k, d, q, g, offset, bias, max_
     y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, k))
     assert not torch.isnan(y).any(), "output elements left unwritten"
     assert rel_err(y, reference(x, qt, b)) < TOL
+
+
+# accumulate: the same launches stopping at their fp32 sums (LUT kernel, tensor cores, both in one call)
+@pytest.mark.parametrize("n,k,d,q,g,offset,max_blocks,mma_min_batch", [
+    (1, 2048, 600, 3, 128, True, 3, 9),
+    (3, 1028, 1000, 2, 64, False, 5, 9),
+    (8, 1024, 1024, 3, 128, True, 5, 1),
+    (12, 1100, 520, 2, 520, True, 4, 5),
+])
+def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n, k, d, q, g, offset, max_blocks,
+                                                           mma_min_batch):
+    qt = make_bcq(k, d, q, g, offset, seed=n * 7 + q)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)).half()
+    for name, t in (("qweight", qt.qweight), ("alpha", qt.alpha), ("x", x)) + ((("offset", qt.offset),) if offset else ()):
+        _save(tmp_path, name, t)
+    common = [tmp_path, n, d, k, q, g, int(offset), 0, max_blocks, mma_min_batch]
+    _emulate(emulator, tmp_path, ["accumulate", *common])
+    acc = torch.from_numpy(np.fromfile(tmp_path / "acc.bin", dtype=np.float32).reshape(n, k))
+    _emulate(emulator, tmp_path, ["gemm", *common])
+    y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, k))
+    assert rel_err(acc, reference(x, qt, None)) < TOL
+    assert torch.equal(acc.half(), y)  # blocks run in order here, so the same sums: rounding them is the output
 
 
 @pytest.mark.parametrize("k,d,q,g,offset,dtype", [
@@ -426,6 +487,34 @@ def test_errors_name_the_problem(ops):
     split = make_bcq(64, 128, 2, 48, offset=False, device="cuda")
     with pytest.raises(RuntimeError, match="group_size % 32"):
         ops.lut_gemm(x, split.qweight, split.alpha, None, None, 48, out)
+
+
+@gpu
+@pytest.mark.parametrize("n,k,d,q,g,offset,mma_min_batch", [
+    (1, 4096, 4096, 3, 128, True, 9), (1, 11008, 4096, 4, 128, False, 9), (3, 1028, 1000, 2, 64, True, 9),
+    (8, 4096, 11008, 3, 128, False, 5), (12, 1100, 520, 2, 520, True, 5),
+])
+def test_accumulate_adds_the_sums_and_leaves_the_counters(ops, n, k, d, q, g, offset, mma_min_batch):
+    qt = make_bcq(k, d, q, g, offset, seed=k + n, device="cuda")
+    x = torch.randn(n, d, device="cuda").half()
+    need = ops.workspace_floats(n, k)
+    ws = torch.zeros(need + 8, dtype=torch.float32, device="cuda")
+    ws[need:] = float("nan")  # nothing past the workspace is touched
+    start = torch.randn(n, k, device="cuda")
+    ws[: n * k] = start.flatten()  # accumulate adds to whatever is there
+    ops.lut_accumulate(x, qt.qweight, qt.alpha, qt.offset, qt.group_size, ws, mma_min_batch)
+    sums = ws[: n * k].view(n, k) - start
+    ref = reference(x, qt)
+    assert rel_err(sums, ref) < TOL
+    assert not ws[n * k : need].any() and ws[need:].isnan().all()  # tile counters untouched
+    # cleared by the consumer, the same buffer serves an ordinary call, which leaves it zero
+    ws[: n * k] = 0
+    out = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
+    ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, None, qt.group_size, out, mma_min_batch, ws[:need])
+    assert rel_err(out, ref) < TOL and not ws[:need].any()
+    assert (out.float() - sums).abs().max() <= 1e-3 * ref.abs().max()  # the same sums, up to atomics' order
+    with pytest.raises(RuntimeError, match="acc must be"):
+        ops.lut_accumulate(x, qt.qweight, qt.alpha, qt.offset, qt.group_size, ws[: n * k - 1], mma_min_batch)
 
 
 @gpu

@@ -265,11 +265,16 @@ def test_generate_static_decodes_through_a_cuda_graph(artifact):
 
 @pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("rtn", None), ("anyprec", 3)])
 @pytest.mark.parametrize("stack", [False, True], ids=["pointwise", "full"])
-def test_fusion_decodes_like_unfused(name, bits, stack, artifact):
+def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     """runtime.fusion around the kernels (compiled pointwise parts; with stack, q/k/v and gate/up as one
-    kernel launch each), in a captured graph: the unfused decode's tokens up to a near-tie."""
+    kernel launch each, and for the LUT kernels the MLP's matvecs leaving their sums to the next kernel),
+    in a captured graph: the unfused decode's tokens up to a near-tie."""
     from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
 
+    accumulated = []
+    accumulate = QuantLinear.accumulate
+    monkeypatch.setattr(QuantLinear, "accumulate",
+                        lambda module, x: accumulated.append(accumulate(module, x)) or accumulated[-1])
     model = quantkit.load(artifact(name), device="cuda", bits=bits)
     _require_kernel(model, tokens=1)
     prompt = _prompts(model.config.vocab_size, batch=1)
@@ -292,6 +297,9 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact):
         if stacking is not None:
             stacking.undo()
     _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
+    # the accumulations ran where the LUT kernels serve both MLP matvecs (stacked BCQ / uniform layers)
+    served = [a is not None for a in accumulated]
+    assert (stack and name != "anyprec") == any(served), served
 
 
 def test_graph_recaptured_after_set_bits(artifact):

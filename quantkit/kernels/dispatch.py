@@ -3,18 +3,23 @@
 Kernel modules register `forward(module, x) -> Tensor | None` for the formats they serve
 (`register("bcq", fn)`); QuantLinear.forward on a CUDA input calls `kernel_forward`, and a None
 answer (no kernel for this format, kernel unavailable, unsupported shape) means the PyTorch
-reference path. Kernel modules are imported lazily so CPU-only use never touches them.
+reference path. A format may also register `accumulate(module, x)`, the same product left as fp32
+partial sums for the next kernel to consume (QuantLinear.accumulate). Kernel modules are imported
+lazily so CPU-only use never touches them.
 """
 
 import importlib
 
 _FORWARDS = {}
+_ACCUMULATES = {}
 _KERNEL_MODULES = ("quantkit.kernels.lutgemm", "quantkit.kernels.anyprec_gemm")
 _imported = False
 
 
-def register(format_name, forward):
+def register(format_name, forward, accumulate=None):
     _FORWARDS[format_name] = forward
+    if accumulate is not None:
+        _ACCUMULATES[format_name] = accumulate
 
 
 def _import_kernel_modules():
@@ -30,10 +35,20 @@ def _import_kernel_modules():
                 raise
 
 
-def kernel_forward(module, x):
-    """The kernel's output for QuantLinear `module` on CUDA input x, or None for the reference path."""
+def _served(table, module, x):
     if not x.is_cuda or not getattr(module, "use_kernels", True):
         return None
     _import_kernel_modules()
-    forward = _FORWARDS.get(module.meta["format"])
+    return table.get(module.meta["format"])
+
+
+def kernel_forward(module, x):
+    """The kernel's output for QuantLinear `module` on CUDA input x, or None for the reference path."""
+    forward = _served(_FORWARDS, module, x)
     return None if forward is None else forward(module, x)
+
+
+def kernel_accumulate(module, x):
+    """The kernel's fp32 partial sums of `module`'s product with x (see QuantLinear.accumulate), or None."""
+    accumulate = _served(_ACCUMULATES, module, x)
+    return None if accumulate is None else accumulate(module, x)

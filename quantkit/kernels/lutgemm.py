@@ -20,9 +20,14 @@ Uniform layers run on their converted BCQ tensors in both paths; the converted w
 the uniform dequantization only by the fp16 rounding of the offset z (formats.bcq.bcq_from_uniform),
 and it is what lands in the weight cache.
 
-Importing this module registers `forward` for "bcq" and `forward_uniform` for "uniform" with
-quantkit.kernels.dispatch; both return None (-> PyTorch reference) when the extension cannot be
-built or the input is not one they serve.
+`accumulate` is the matvec path stopped one step early: the kernels add x @ weightᵀ into the module's
+fp32 split-K workspace and leave it there, without the tile counter, the read-back and the fp16
+store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B decode shapes). Whoever
+asks for it reads the sums and zeroes them (runtime.fusion does, in the kernel that consumes them).
+
+Importing this module registers `forward` and `accumulate` for "bcq" and "uniform" with
+quantkit.kernels.dispatch; both return None (-> PyTorch reference, or
+the caller's ordinary path) when the extension cannot be built or the input is not one they serve.
 """
 
 from dataclasses import dataclass
@@ -169,23 +174,45 @@ def linear(module, x, t: BCQTensors, ops):
     return y.reshape(*x.shape[:-1], k)
 
 
+def accumulate_into_workspace(module, x, t: BCQTensors, ops):
+    """x @ weightᵀ (no bias) added into the module's zero workspace, returned as its fp32 [..., k] view;
+    None where the LUT kernels do not serve the call (then nothing ran). Rounding the view to fp16 gives
+    what `linear` returns. The caller must read the view and zero it before the module runs again."""
+    if x.dtype not in DENSE_DTYPES or x.shape[-1] != t.in_features or module.bias is not None:
+        return None
+    k = t.out_features
+    x2 = x.reshape(-1, t.in_features)
+    tokens = x2.shape[0]
+    if not use_matvec(tokens, k, t.in_features, t.group_size):
+        return None
+    ws = kept_workspace(module, x.device, k, ops)
+    if ws is None:
+        return None
+    ops.lut_accumulate(x2.to(torch.float16).contiguous(), t.qweight, t.alpha, t.offset, t.group_size, ws,
+                       MMA_MIN_BATCH)
+    return ws[: tokens * k].view(*x.shape[:-1], k)
+
+
+def _tensors(module):
+    """The module's BCQ tensors for the kernels, or None (act-order uniform layouts are not served)."""
+    if module.meta["format"] == "uniform":
+        return None if module.meta.get("has_g_idx") else converted(module)
+    return _stored(module)
+
+
 def forward(module, x):
-    """dispatch hook for format "bcq"."""
+    """dispatch hook for formats "bcq" and "uniform" (on its BCQ form)."""
     ops = kernels()
-    if ops is None:
-        return None
-    return linear(module, x, _stored(module), ops)
+    t = None if ops is None else _tensors(module)
+    return None if t is None else linear(module, x, t, ops)
 
 
-def forward_uniform(module, x):
-    """dispatch hook for format "uniform": runs on the BCQ form; act-order g_idx layouts are not served."""
-    if module.meta.get("has_g_idx"):
-        return None
+def accumulate(module, x):
+    """dispatch accumulate hook for formats "bcq" and "uniform": see accumulate_into_workspace."""
     ops = kernels()
-    if ops is None:
-        return None
-    return linear(module, x, converted(module), ops)
+    t = None if ops is None else _tensors(module)
+    return None if t is None else accumulate_into_workspace(module, x, t, ops)
 
 
-register("bcq", forward)
-register("uniform", forward_uniform)
+register("bcq", forward, accumulate)
+register("uniform", forward, accumulate)

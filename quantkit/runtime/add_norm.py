@@ -6,6 +6,9 @@ in a CUDA graph this kernel takes 1.7 µs against 2.6-2.8 µs for inductor's com
 expression and 1.3 µs for an empty kernel (BENCHMARKS.md, issue 10). It computes what transformers'
 Llama does eagerly: the sum rounded to the input dtype, its mean square and rsqrt in fp32, the normed
 values rounded to the input dtype before the weight multiplies them (in fp32, rounded once).
+
+The delta may also be a LUT kernel's fp32 accumulator (QuantLinear.accumulate, `consume=True`): the
+kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it for the next call.
 """
 
 import torch
@@ -21,12 +24,15 @@ def _kernel(triton, tl):
 
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
-                            res_stride, delta_stride, BLOCK: tl.constexpr):
+                            res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
         delta = tl.load(delta_ptr + row * delta_stride + cols, mask=inside, other=0.0)
+        if CONSUME:  # fp32 sums of a matvec: its fp16 output, in the model's dtype; cleared for the next call
+            delta = delta.to(tl.float16).to(res.dtype)
+            tl.store(delta_ptr + row * delta_stride + cols, tl.zeros([BLOCK], tl.float32), mask=inside)
         hidden = (res.to(tl.float32) + delta.to(tl.float32)).to(res.dtype)
         tl.store(hidden_ptr + row * width + cols, hidden, mask=inside)
         h = hidden.to(tl.float32)
@@ -43,18 +49,21 @@ def available():
     return _kernel() is not None
 
 
-def supported(residual, delta, weight):
+def supported(residual, delta, weight, consume=False):
     """Whether `add_rms_norm` serves these tensors (else the caller's compiled expression)."""
     return (residual.is_cuda and available() and residual.dtype in (torch.float16, torch.bfloat16)
-            and delta.dtype == weight.dtype == residual.dtype and delta.shape == residual.shape
+            and delta.dtype == (torch.float32 if consume else residual.dtype) and weight.dtype == residual.dtype
+            and delta.shape == residual.shape
             and weight.shape == residual.shape[-1:] and residual.shape[-1] <= MAX_WIDTH
             and residual.device == delta.device == weight.device and weight.is_contiguous()
             and residual.stride(-1) == delta.stride(-1) == 1)
 
 
-def add_rms_norm(residual, delta, weight, eps):
+def add_rms_norm(residual, delta, weight, eps, consume=False):
     """(residual + delta, weight * rmsnorm(residual + delta)) as new contiguous tensors of residual's shape;
-    rows may be strided (e.g. views of a stacked output), the last dimension must be contiguous."""
+    rows may be strided (e.g. views of a stacked output), the last dimension must be contiguous.
+    consume: delta is a matvec's fp32 accumulator (QuantLinear.accumulate), added as the matvec's fp16
+    output would be and left zero."""
     width = residual.shape[-1]
     res2, delta2 = residual.reshape(-1, width), delta.reshape(-1, width)
     hidden = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
@@ -63,7 +72,7 @@ def add_rms_norm(residual, delta, weight, eps):
     if rows:
         block = 1 << (width - 1).bit_length()
         _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
-                           BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                           BLOCK=block, CONSUME=consume, num_warps=8 if block >= 4096 else 4)
     return hidden, normed
 
 

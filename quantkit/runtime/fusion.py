@@ -8,7 +8,10 @@ speed up. `fuse_pointwise(model)` compiles those three pieces with torch.compile
 and each residual add with the RMSNorm that follows it (the decoder layer's post-attention norm, and the
 next layer's input norm or the final norm after the MLP): one kernel returns both the sum and its norm.
 Linears, attention and cache writes stay as they are, so float and quantized models get the same fusion
-and their speed ratio stays a statement about the linears.
+and their speed ratio stays a statement about the linears. One exception belongs to the linears: in a
+fused layer whose MLP projections run on the LUT kernels (stacked gate/up, down), each matvec stops at its
+fp32 split-K sums (QuantLinear.accumulate) and the kernel after it finishes them, the SiLU·mul for gate/up
+and the add + norm for down, saving each matvec its own tile-completion step (`_mlp_output`).
 
 Only pieces whose code is known are touched: an RMSNorm / MLP / decoder-layer forward or rotary function
 is replaced when its source equals transformers' Llama one (other architectures copy it verbatim:
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
-from quantkit.runtime import add_norm
+from quantkit.runtime import add_norm, silu_mul
 from quantkit.runtime.quant_linear import QuantLinear
 
 
@@ -65,12 +68,55 @@ def _fused_rms_forward(self, hidden_states):
     return _compiled(add_norm.rms_norm_torch)(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _add_then_norm(residual, delta, norm):
+def _add_then_norm(residual, delta, norm, consume=False):
     """residual + delta, and norm(residual + delta), from one kernel: runtime.add_norm's on CUDA (1 µs
-    less per call than inductor's at batch 1), else the compiled expression."""
-    if add_norm.supported(residual, delta, norm.weight):
-        return add_norm.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon)
+    less per call than inductor's at batch 1), else the compiled expression. consume: delta is a matvec's
+    fp32 accumulator (QuantLinear.accumulate), added as its output would be and left zero."""
+    if add_norm.supported(residual, delta, norm.weight, consume):
+        return add_norm.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon, consume=consume)
+    if consume:
+        finished = delta.to(torch.float16).to(residual.dtype)  # the matvec's fp16 output
+        delta.zero_()
+        delta = finished
     return _compiled(add_norm.add_rms_norm_torch)(residual, delta, norm.weight, norm.variance_epsilon)
+
+
+def _hooked(modules):
+    hooks = torch.nn.modules.module
+    return (bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+            or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
+def _accumulating_projections(mlp):
+    """(stacked gate/up, down) QuantLinears of a fused MLP that `_mlp_output` may run as accumulations,
+    else None: gate and up must be the two halves of one stacked module (fuse_projections), and no
+    forward hooks anywhere on the way (the accumulations bypass the modules' calls)."""
+    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if not (_is_fused(mlp, _fused_mlp_forward) and isinstance(gate, _Slice) and isinstance(up, _Slice)
+            and isinstance(down, QuantLinear)):
+        return None
+    stacked = gate.stacked
+    if not (isinstance(stacked, QuantLinear) and up.stacked is stacked and gate.start == 0
+            and gate.stop == up.start and up.stop == stacked.out_features == 2 * gate.out_features):
+        return None
+    return None if _hooked((mlp, gate, up, stacked, down)) else (stacked, down)
+
+
+def _mlp_output(mlp, x):
+    """(mlp(x), whether it is the down projection's fp32 accumulator, for the caller to consume). Where
+    the LUT kernels serve both matvecs of the MLP (`_accumulating_projections`), gate/up and down stop at
+    their split-K sums: silu_mul finishes gate/up's (rounded as the matvec would, then cleared), and the
+    caller's add + norm finishes down's. Else the MLP's own forward."""
+    projections = _accumulating_projections(mlp)
+    sums = None if projections is None else projections[0].accumulate(x)
+    if sums is None:
+        return mlp(x), False
+    if silu_mul.supported(sums, x.dtype):
+        activated = silu_mul.silu_mul_consuming(sums, x.dtype)
+    else:
+        activated = silu_mul.silu_mul_consuming_torch(sums, x.dtype)
+    down_sums = projections[1].accumulate(activated)
+    return (projections[1](activated), False) if down_sums is None else (down_sums, True)
 
 
 # LlamaDecoderLayer.forward's statements (comments and layout aside), which _fused_layer_forward restates;
@@ -99,11 +145,11 @@ def _fused_layer_forward(self, hidden_states, *args, **kwargs):
     passed = {name: kwargs.pop(name, default) for name, default in params}
     attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
     hidden_states, normed = _add_then_norm(hidden_states, attn, self.post_attention_layernorm)
-    mlp_out = self.mlp(normed)
     following = self.__dict__.get("_quantkit_next_norm")  # the next layer's input norm, or the final norm
     if following is None:
-        return hidden_states + mlp_out
-    hidden_states, normed = _add_then_norm(hidden_states, mlp_out, following)
+        return hidden_states + self.mlp(normed)
+    mlp_out, consume = _mlp_output(self.mlp, normed)
+    hidden_states, normed = _add_then_norm(hidden_states, mlp_out, following, consume)
     following._quantkit_pending = (hidden_states, normed, _version(hidden_states))  # see _fused_rms_forward
     return hidden_states
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
-from quantkit.kernels.dispatch import kernel_forward
+from quantkit.kernels.dispatch import kernel_accumulate, kernel_forward
 
 
 class QuantLinear(torch.nn.Module):
@@ -72,6 +72,13 @@ class QuantLinear(torch.nn.Module):
                 self._cached = (key, weight)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
+
+    def accumulate(self, x):
+        """x @ weightᵀ (bias-free layers) as the kernel's fp32 partial sums, without the step that finishes
+        them, or None where no kernel offers it (nothing ran then). The returned [..., out_features] view
+        of the module's workspace rounds to what forward returns in fp16. The caller must read it and zero
+        it before this module runs again (runtime.fusion's consumers do both in one kernel)."""
+        return kernel_accumulate(self, x)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.bits or self.meta.get('bits')}"

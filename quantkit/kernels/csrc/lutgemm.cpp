@@ -8,6 +8,9 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
                       const std::optional<at::Tensor>& workspace, int64_t blocks);
+void lutgemm_lut_accumulate(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
+                            const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
+                            int64_t mma_min_batch, int64_t blocks);
 int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k);
 void lutgemm_dequantize(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
                         int64_t group_size, const at::Tensor& out);
@@ -22,6 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("bias"), py::arg("group_size"),
         py::arg("out"), py::arg("mma_min_batch") = kMaxBatch + 1, py::arg("workspace") = py::none(),
         py::arg("blocks") = 0);
+  // acc: fp32, at least n·k elements; += x @ wᵀ as [n, k], bias-free, left for the caller to read and clear
+  m.def("lut_accumulate", &lutgemm_lut_accumulate, "acc[n, k] += x[n, d] @ BCQ weight^T in fp32 (no fp16 output)",
+        py::arg("x"), py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("group_size"), py::arg("acc"),
+        py::arg("mma_min_batch") = kMaxBatch + 1, py::arg("blocks") = 0);
   m.def("workspace_floats", &lutgemm_workspace_floats_op, "fp32 elements of lut_gemm's workspace for n columns, k rows",
         py::arg("n"), py::arg("k"));
   m.def("dequantize", &lutgemm_dequantize, "out[k, d] = the BCQ weight, exact, in out.dtype", py::arg("qweight"),

@@ -26,7 +26,9 @@
 //   NT tables in shared memory (32 KB); each of its 8 warps handles 128 rows, each lane 4
 //   consecutive rows (one 16-byte load gives the same word of 4 rows). When its range leaves a row
 //   tile, a block adds its fp32 partial sums to a workspace with atomics; the block that completes
-//   a row tile (per-tile step counter) converts it to fp16 and adds the bias. Loads run S - 1 steps
+//   a row tile (per-tile step counter) converts it to fp16 and adds the bias. With no output (y null,
+//   "accumulate") the sums stay in the workspace for the next kernel to read and clear: no counter,
+//   no read-back, ~1.1-1.4 µs less per call at the 7B decode shapes (BENCHMARKS.md). Loads run S - 1 steps
 //   ahead of the compute: each lane copies its words and scales into its own slots of a ring of S
 //   stages in shared memory (cp.async), so no registers hold loads in flight.
 //
@@ -159,9 +161,9 @@ struct LutParams {
   const __half* alpha;   // [G, q, k]
   const __half* offset;  // [G, k] or nullptr
   const __half* bias;    // [k] or nullptr
-  __half* y;             // [nb, k] output
+  __half* y;             // [nb, k] output, or nullptr: accumulate, the sums stay in ws (bias not applied)
   float* ws;             // [nb, k] fp32 partial sums, zero on entry and left zero (see lut_gemm_kernel)
-  int* counters;         // [n_rt] steps finished per row tile, zero on entry and left zero
+  int* counters;         // [n_rt] steps finished per row tile, zero on entry and left zero; unused without y
   int nb, d, k, q, W;
   int x_vec;             // x rows start 16-byte aligned (d % 8 == 0 and an aligned base): vector loads
   uint32_t group_magic;  // group of word w = umulhi(2w+1, magic), see group_magic() below; 0 if one group
@@ -498,7 +500,7 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 // grid: min(steps, SMs × resident blocks); block: kThreads; dynamic shared memory Cfg<BP>::kSmemBytes.
 // p.ws and p.counters must be zero; the kernel leaves them zero (the block completing a tile clears
 // the tile's sums and counter), so a workspace kept between launches needs no memset: one graph node
-// less per matvec.
+// less per matvec. Without p.y it only adds x·wᵀ into p.ws (whatever p.ws held) and stops there.
 // Block b runs steps [b·S/B, (b+1)·S/B) of the sequence (row tile, chunk, plane, step): stream-K at
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
@@ -635,7 +637,8 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
         for (int b = 0; b < BP; ++b)
           if (b < p.nb) atomic_add4(p.ws + size_t(b) * p.k + row0, acc[0][b], acc[1][b], acc[2][b], acc[3][b]);
       }
-      if (complete_tile(p.counters + cur.rt, seg_steps, p.n_ch * planes * NH, &s_last) && row0 < p.k) {
+      if (p.y != nullptr && complete_tile(p.counters + cur.rt, seg_steps, p.n_ch * planes * NH, &s_last) &&
+          row0 < p.k) {
         // this block completed the tile: fp32 sums -> fp16 output
         float bias[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.bias != nullptr) {
@@ -958,7 +961,7 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
             atomic_add4(p.ws + size_t(n0 + j) * p.k + row0 + 32 * h, acc[4 * h][j], acc[4 * h + 1][j],
                         acc[4 * h + 2][j], acc[4 * h + 3][j]);
       }
-      if (complete_tile(p.counters + rt, seg_steps, p.n_ch, &s_last)) {
+      if (p.y != nullptr && complete_tile(p.counters + rt, seg_steps, p.n_ch, &s_last)) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row0 + 32 * h;
@@ -1191,7 +1194,8 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 
 // y[n, k] = x[n, d] · wᵀ (+ bias), all fp16, as launches of at most 8 columns on `stream`; a launch
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
-// ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Returns the first launch error.
+// ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Without y (nullptr):
+// ws[n, k] += x · wᵀ in fp32, bias ignored, counters untouched. Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
                               int blocks, int device, cudaStream_t stream) {
@@ -1211,7 +1215,7 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     const LutParams p = make_lut_params(static_cast<const __half*>(x) + size_t(l) * kMaxBatch * d, nb, d,
                                         reinterpret_cast<const uint32_t*>(qweight), static_cast<const __half*>(alpha),
                                         static_cast<const __half*>(offset), static_cast<const __half*>(bias),
-                                        static_cast<__half*>(y) + size_t(l) * kMaxBatch * k,
+                                        y ? static_cast<__half*>(y) + size_t(l) * kMaxBatch * k : nullptr,
                                         ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g);
     const int bp = padded_batch(nb);
     if (nb >= mma_min_batch && mma_supported(g, G)) {
@@ -1290,6 +1294,49 @@ void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::op
   }
 }
 
+// The checks lut_gemm and lut_accumulate share: x and the BCQ tensors, and the LUT kernel's limits.
+void check_lut_operands(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
+                        const std::optional<at::Tensor>& offset, int64_t group_size) {
+  QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
+  const int64_t d = x.size(1);
+  check_bcq(qweight, alpha, offset, group_size, d);
+  const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
+  QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
+  QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
+  QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),
+           "the LUT kernel addresses a weight with 32-bit offsets: q x words x out_features = ", q * W * k,
+           " must stay below 2^31 (use dequantize)");
+  QK_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
+              group_size, " with in_features = ", d, " (use dequantize)");
+  check_aligned(qweight, 16, "qweight");
+  check_aligned(alpha, 8, "alpha");
+  if (offset.has_value()) check_aligned(*offset, 8, "offset");
+}
+
+void check_workspace(const at::Tensor& ws, int64_t floats, const at::Tensor& x, const char* name) {
+  QK_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() >= floats && ws.device() == x.device(),
+           name, " must be a contiguous fp32 tensor of at least ", floats, " elements on ", x.device(), ", got ",
+           ws.sizes(), " ", ws.scalar_type(), " on ", ws.device());
+  check_aligned(ws, 16, name);
+}
+
+void launch_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
+                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                     int64_t group_size, void* out, float* ws, int64_t mma_min_batch, int64_t blocks) {
+  const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
+  const cudaError_t err = lutgemm_cuda_gemm(x.data_ptr(), int(x.size(0)), int(x.size(1)), qweight.data_ptr<int>(),
+                                            alpha.data_ptr(), ptr_or_null(offset), ptr_or_null(bias), out, ws,
+                                            int(q), int(W), int(k), int(G), int(group_size),
+                                            int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
+                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), x.device().index(),
+                                            c10::cuda::getCurrentCUDAStream());
+  QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", x.size(0), ", ", x.size(1), "], weight ", k, "x",
+              x.size(1), ", q = ", q, ", g = ", group_size, ", offset = ", offset.has_value(), ": ",
+              cudaGetErrorString(err));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
@@ -1304,18 +1351,8 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
                       const std::optional<at::Tensor>& workspace, int64_t blocks) {
-  QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
-  const int64_t n = x.size(0), d = x.size(1);
-  check_bcq(qweight, alpha, offset, group_size, d);
-  const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
-  QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
-  QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
-  QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),
-           "the LUT kernel addresses a weight with 32-bit offsets: q x words x out_features = ", q * W * k,
-           " must stay below 2^31 (use dequantize)");
-  QK_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
-              group_size, " with in_features = ", d, " (use dequantize)");
+  check_lut_operands(x, qweight, alpha, offset, group_size);
+  const int64_t n = x.size(0), k = qweight.size(2);
   QK_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&
                   out.device() == x.device(),
               "out must be a contiguous fp16 tensor [", n, ", ", k, "] on ", x.device(), ", got ", out.sizes(), " ",
@@ -1325,11 +1362,8 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
                     bias->device() == x.device(),
                 "bias must be a contiguous fp16 tensor of ", k, " elements on ", x.device(), ", got ", bias->sizes(), " ",
                 bias->scalar_type(), " on ", bias->device());
+    check_aligned(*bias, 8, "bias");
   }
-  check_aligned(qweight, 16, "qweight");
-  check_aligned(alpha, 8, "alpha");
-  if (offset.has_value()) check_aligned(*offset, 8, "offset");
-  if (bias.has_value()) check_aligned(*bias, 8, "bias");
   check_aligned(out, 8, "out");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -1337,22 +1371,25 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   at::Tensor ws;
   if (workspace.has_value()) {  // kept by the caller, all zero: the kernels leave it zero again
     ws = *workspace;
-    QK_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() >= ws_floats && ws.device() == x.device(),
-             "workspace must be a contiguous fp32 tensor of at least ", ws_floats, " elements on ", x.device(), ", got ",
-             ws.sizes(), " ", ws.scalar_type(), " on ", ws.device());
-    check_aligned(ws, 16, "workspace");
+    check_workspace(ws, ws_floats, x, "workspace");
   } else {
     ws = at::zeros({ws_floats}, x.options().dtype(at::kFloat));
   }
-  const cudaError_t err = lutgemm_cuda_gemm(x.data_ptr(), int(n), int(d), qweight.data_ptr<int>(), alpha.data_ptr(),
-                                            ptr_or_null(offset), ptr_or_null(bias), out.data_ptr(), ws.data_ptr<float>(),
-                                            int(q), int(W), int(k), int(G), int(group_size),
-                                            int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
-                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), x.device().index(),
-                                            c10::cuda::getCurrentCUDAStream());
-  QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", n, ", ", d, "], weight ", k, "x", d, ", q = ", q,
-              ", g = ", group_size, ", offset = ", offset.has_value(), ": ", cudaGetErrorString(err));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_lut_gemm(x, qweight, alpha, offset, bias, group_size, out.data_ptr(), ws.data_ptr<float>(), mma_min_batch,
+                  blocks);
+}
+
+// acc[0 : n·k] (fp32, read as [n, k]) += x[n, d] @ wᵀ: the same kernels stopping at their fp32 partial sums,
+// with no tile counter, read-back or fp16 output. The next kernel reads acc and clears it (runtime.fusion).
+void lutgemm_lut_accumulate(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
+                            const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
+                            int64_t mma_min_batch, int64_t blocks) {
+  check_lut_operands(x, qweight, alpha, offset, group_size);
+  check_workspace(acc, x.size(0) * qweight.size(2), x, "acc");
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_lut_gemm(x, qweight, alpha, offset, std::nullopt, group_size, nullptr, acc.data_ptr<float>(), mma_min_batch,
+                  blocks);
 }
 
 // out[k, d] (fp16, bf16 or fp32) = the dense weight, bit-identical to BCQQuantizedTensor.dequantize(out.dtype).
@@ -1431,16 +1468,19 @@ void write_file(const std::string& path, const std::vector<T>& v) {
 }  // namespace emu
 
 // usage: lutgemm_emu gemm DIR n d k q g has_offset has_bias max_blocks mma_min_batch
+//        lutgemm_emu accumulate DIR n d k q g has_offset 0 max_blocks mma_min_batch
 //        lutgemm_emu dequant DIR d k q g has_offset out_bytes(2 = fp16, 3 = bf16, 4 = fp32)
 // DIR holds qweight.bin (int32 [q,W,k]), alpha.bin (fp16 [G,q,k]), offset.bin, x.bin (fp16 [n,d]),
-// bias.bin; the result goes to DIR/y.bin (fp16 [n,k]) or DIR/w.bin ([k,d]). Output buffers start as
-// NaN so an element the kernel skips shows up.
+// bias.bin; the result goes to DIR/y.bin (fp16 [n,k]), DIR/acc.bin (fp32 [n,k]: what accumulate adds to
+// the zero workspace) or DIR/w.bin ([k,d]). Output buffers start as NaN so an element the kernel skips
+// shows up.
 int main(int argc, char** argv) {
   using namespace lutgemm;
   if (argc < 3) return 2;
   const std::string mode = argv[1], dir = std::string(argv[2]) + "/";
   auto arg = [&](int i) { return std::stoi(argv[i]); };
-  if (mode == "gemm" && argc == 12) {
+  if ((mode == "gemm" || mode == "accumulate") && argc == 12) {
+    const bool accumulate = mode == "accumulate";
     const int n = arg(3), d = arg(4), k = arg(5), q = arg(6), g = arg(7), has_off = arg(8), has_bias = arg(9),
               max_blocks = arg(10), mma_min_batch = arg(11);
     const int W = (d + 31) / 32, G = (d + g - 1) / g;
@@ -1458,7 +1498,8 @@ int main(int argc, char** argv) {
       const int nb = std::min(kMaxBatch, n - l * kMaxBatch);
       const LutParams p = make_lut_params(x.data() + size_t(l) * kMaxBatch * d, nb, d, qw.data(), al.data(),
                                           has_off ? z.data() : nullptr, has_bias ? bias.data() : nullptr,
-                                          y.data() + size_t(l) * kMaxBatch * k, ws.data() + size_t(l) * kMaxBatch * k,
+                                          accumulate ? nullptr : y.data() + size_t(l) * kMaxBatch * k,
+                                          ws.data() + size_t(l) * kMaxBatch * k,
                                           counters + l * n_rt, q, W, k, G, g);
       if (nb >= mma_min_batch && mma_supported(g, G)) {
         const LutParams pm = make_mma_params(p);
@@ -1472,6 +1513,15 @@ int main(int argc, char** argv) {
         case 4: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<4>(p); }); break;
         default: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<8>(p); }); break;
       }
+    }
+    if (accumulate) {  // the sums stay; the counters must not have moved
+      for (size_t i = size_t(n) * k; i < ws.size(); ++i)
+        if (ws[i] != 0.f) {
+          std::fprintf(stderr, "accumulate touched counter %zu\n", i - size_t(n) * k);
+          return 3;
+        }
+      emu::write_file(dir + "acc.bin", std::vector<float>(ws.begin(), ws.begin() + size_t(n) * k));
+      return 0;
     }
     for (size_t i = 0; i < ws.size(); ++i)
       if (ws[i] != 0.f) {  // a later launch on the same workspace would add to it

@@ -1,0 +1,70 @@
+"""runtime.silu_mul: SiLU(gate)·up from a stacked gate/up matvec's fp32 accumulator, cleared after."""
+
+import pytest
+import torch
+
+from quantkit.runtime import silu_mul
+
+# (rows, width, dtype): a 7B decode row (11008 = 10 whole blocks and a partial one), a prefill of
+# SmolLM2's MLP width, bf16
+CASES = [(1, 11008, torch.float16), (3, 1536, torch.float16), (2, 96, torch.bfloat16)]
+
+
+def _accumulator(rows, width, device="cpu"):
+    return (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(device)
+
+
+def _consumed(case, device="cpu"):
+    """[] when the kernel's output is the reference's within one rounding and the accumulator is left zero."""
+    rows, width, dtype = case
+    acc = _accumulator(rows, width, device)
+    want = silu_mul.silu_mul_consuming_torch(acc.clone(), dtype)
+    got = silu_mul.silu_mul_consuming(acc, dtype)
+    problems = [] if not acc.any() else ["accumulator not cleared"]
+    if got.dtype != dtype or got.shape != want.shape:
+        return problems + [f"got {got.dtype} {tuple(got.shape)}"]
+    ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)  # exp and the roundings may differ by one step
+    if not torch.allclose(got.float(), want.float(), rtol=2 * ulp, atol=1e-6):
+        problems.append(f"off by {(got.float() - want.float()).abs().max().item()}")
+    return problems
+
+
+# fp16 only under the interpreter: its fp32 -> bf16 conversion is not round-to-nearest
+_INTERPRETED = """
+import json, sys
+import torch
+sys.path[:0] = {paths!r}
+from test_silu_mul import CASES, _consumed
+print(json.dumps([_consumed(case) for case in CASES if case[2] == torch.float16]))
+"""
+
+
+def test_interpreted_kernel_matches_reference(run_interpreted):
+    report = run_interpreted(_INTERPRETED)
+    assert report and all(r == [] for r in report), report
+
+
+def test_reference_is_the_mlp_activation_of_the_rounded_outputs():
+    acc = _accumulator(2, 64)
+    gate, up = acc.half().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up  # transformers' Llama MLP on the matvec's fp16 outputs
+    assert torch.equal(silu_mul.silu_mul_consuming_torch(acc, torch.float16), want) and not acc.any()
+
+
+def test_unsupported_inputs_are_refused():
+    acc = _accumulator(1, 64)
+    assert not silu_mul.supported(acc, torch.float16)  # CPU
+    if torch.cuda.is_available() and silu_mul._kernel() is not None:
+        cuda = acc.cuda()
+        assert silu_mul.supported(cuda, torch.float16)
+        assert not silu_mul.supported(cuda.half(), torch.float16)  # not an fp32 accumulator
+        assert not silu_mul.supported(cuda[:, :127], torch.float16)  # odd width, and strided
+        assert not silu_mul.supported(cuda, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_matches_reference(case):
+    if silu_mul._kernel() is None:
+        pytest.skip("Triton missing")
+    assert _consumed(case, device="cuda") == []

@@ -236,11 +236,11 @@ def test_projections_that_differ_stay_apart():
     assert not hasattr(model.model.layers[1].mlp, "fused_gate_up")
 
 
-def test_quantized_mlp_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
-    """With stacked quantized projections, each fused layer runs gate/up and down as accumulations (the
-    LUT kernels' fp32 sums, faked here on the CPU with the contract's checks): SiLU·mul and the add + norm
-    finish them, the logits are bit-equal to the unfused model's, and every accumulator is left zero.
-    A layer whose down projection has a forward hook keeps the ordinary calls."""
+def test_quantized_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
+    """With stacked quantized projections, each fused layer runs o_proj, gate/up and down as accumulations
+    (the LUT kernels' fp32 sums, faked here on the CPU with the contract's checks): the add + norm and
+    SiLU·mul finish them, the logits are bit-equal to the unfused model's, and every accumulator is left
+    zero. A module with a forward hook (layer 1's down projection, layer 2's attention) keeps its call."""
     import torch.nn.functional as F
 
     from quantkit.runtime import QuantLinear, fusion
@@ -267,19 +267,45 @@ def test_quantized_mlp_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
     with torch.inference_mode():
         want = model(ids).logits
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: None)
+    model.model.layers[2].self_attn.register_forward_hook(lambda module, args, out: None)
     try:
         fuse_pointwise(model)
         with torch.inference_mode():
             got = model(ids).logits
             assert torch.equal(got, want)
             layers = model.model.layers
-            expected = [layers[i].mlp.fused_gate_up if j == 0 else layers[i].mlp.down_proj for i in (0, 2) for j in (0, 1)]
+            expected = [layers[0].self_attn.o_proj, layers[0].mlp.fused_gate_up, layers[0].mlp.down_proj,
+                        layers[1].self_attn.o_proj, layers[2].mlp.fused_gate_up, layers[2].mlp.down_proj]
             assert [id(m) for m in calls] == [id(m) for m in expected]
+            assert all(layer.self_attn._modules["o_proj"] is layer.self_attn.o_proj for layer in layers)  # put back
+            assert all(isinstance(layer.self_attn.o_proj, QuantLinear) for layer in layers)
             sums = [m.__dict__["_fake_sums"] for m in model.modules() if "_fake_sums" in m.__dict__]
-            assert len(sums) == 4 and not any(s.any() for s in sums)
+            assert len(sums) == 6 and not any(s.any() for s in sums)
             calls.clear()
             assert torch.equal(model(torch.cat([ids, ids], dim=1)).logits[:, :5], want)  # 10 tokens: ordinary calls
             assert calls == []
     finally:
         unfuse_pointwise(model)
         handle.undo()
+
+
+def test_attention_outputs_are_accumulated_only_when_returned_untouched():
+    from transformers.models.llama import modeling_llama
+
+    from quantkit.runtime.fusion import _returns_o_proj_output
+
+    assert _returns_o_proj_output(modeling_llama.LlamaAttention.forward)
+
+    class Scaled(modeling_llama.LlamaAttention):
+        def forward(self, hidden_states, **kwargs):
+            attn_output, attn_weights = super().forward(hidden_states, **kwargs)
+            return 2 * attn_output, attn_weights
+
+    class Rescaled(modeling_llama.LlamaAttention):  # ends the same way, but uses o_proj's output before
+        def forward(self, hidden_states, **kwargs):
+            attn_output = self.o_proj(hidden_states)
+            attn_weights = None
+            attn_output = self.o_proj(attn_output)
+            return attn_output, attn_weights
+
+    assert not _returns_o_proj_output(Scaled.forward) and not _returns_o_proj_output(Rescaled.forward)

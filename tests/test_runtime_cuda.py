@@ -274,7 +274,7 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     accumulated = []
     accumulate = QuantLinear.accumulate
     monkeypatch.setattr(QuantLinear, "accumulate",
-                        lambda module, x: accumulated.append(accumulate(module, x)) or accumulated[-1])
+                        lambda module, x: accumulated.append((module, accumulate(module, x))) or accumulated[-1][1])
     model = quantkit.load(artifact(name), device="cuda", bits=bits)
     _require_kernel(model, tokens=1)
     prompt = _prompts(model.config.vocab_size, batch=1)
@@ -297,9 +297,12 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
         if stacking is not None:
             stacking.undo()
     _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
-    # the accumulations ran where the LUT kernels serve both MLP matvecs (stacked BCQ / uniform layers)
-    served = [a is not None for a in accumulated]
-    assert (stack and name != "anyprec") == any(served), served
+    # the accumulations ran where the LUT kernels serve the matvecs (BCQ / uniform layers): o_proj always,
+    # gate/up and down when stacked
+    served = {module.out_features for module, sums in accumulated if sums is not None}
+    config = model.config
+    want = {config.hidden_size} | ({2 * config.intermediate_size} if stack else set())  # o_proj, down | gate/up
+    assert served == (set() if name == "anyprec" else want), served
 
 
 def test_graph_recaptured_after_set_bits(artifact):

@@ -30,9 +30,8 @@ def _kernel(triton, tl):
         inside = cols < width
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
         delta = tl.load(delta_ptr + row * delta_stride + cols, mask=inside, other=0.0)
-        if CONSUME:  # fp32 sums of a matvec: its fp16 output, in the model's dtype; cleared for the next call
+        if CONSUME:  # fp32 sums of a matvec: its fp16 output, in the model's dtype (cleared below)
             delta = delta.to(tl.float16).to(res.dtype)
-            tl.store(delta_ptr + row * delta_stride + cols, tl.zeros([BLOCK], tl.float32), mask=inside)
         hidden = (res.to(tl.float32) + delta.to(tl.float32)).to(res.dtype)
         tl.store(hidden_ptr + row * width + cols, hidden, mask=inside)
         h = hidden.to(tl.float32)
@@ -40,6 +39,9 @@ def _kernel(triton, tl):
         normed = (h * scale).to(res.dtype).to(tl.float32)
         weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(normed_ptr + row * width + cols, (weight * normed).to(res.dtype), mask=inside)
+        if CONSUME:  # after a barrier, which the stores above (they need every load's value) precede
+            tl.debug_barrier()  # (stored right after its load, a zero overtook the load: silu_mul.py)
+            tl.store(delta_ptr + row * delta_stride + cols, tl.zeros([BLOCK], tl.float32), mask=inside)
 
     return add_rms_norm_kernel
 

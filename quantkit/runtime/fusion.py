@@ -9,9 +9,10 @@ and each residual add with the RMSNorm that follows it (the decoder layer's post
 next layer's input norm or the final norm after the MLP): one kernel returns both the sum and its norm.
 Linears, attention and cache writes stay as they are, so float and quantized models get the same fusion
 and their speed ratio stays a statement about the linears. One exception belongs to the linears: in a
-fused layer whose MLP projections run on the LUT kernels (stacked gate/up, down), each matvec stops at its
-fp32 split-K sums (QuantLinear.accumulate) and the kernel after it finishes them, the SiLU·mul for gate/up
-and the add + norm for down, saving each matvec its own tile-completion step (`_mlp_output`).
+fused layer, a matvec on the LUT kernels whose consumer is known stops at its fp32 split-K sums
+(QuantLinear.accumulate) and that consumer finishes them, saving the matvec its own tile-completion step:
+the stacked gate/up's sums go to the SiLU·mul, down's and the attention's o_proj's to the add + norm after
+them (`_mlp_output`, `_attention_output`).
 
 Only pieces whose code is known are touched: an RMSNorm / MLP / decoder-layer forward or rotary function
 is replaced when its source equals transformers' Llama one (other architectures copy it verbatim:
@@ -87,6 +88,73 @@ def _hooked(modules):
             or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
+class _Accumulating(torch.nn.Module):
+    """Stands in for a QuantLinear during one call of an attention forward that returns its output as it
+    is (`_attention_output`): the matvec as an accumulation, its sums kept in `sums`, else the call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)  # not a submodule: the stand-in is never registered
+        self.sums = None
+
+    def forward(self, x):
+        self.sums = self.inner.accumulate(x)
+        return self.inner(x) if self.sums is None else self.sums
+
+
+@functools.cache  # per class forward
+def _returns_o_proj_output(forward):
+    """Whether an attention forward ends with `attn_output = self.o_proj(attn_output)` and returns that
+    tensor untouched, uses o_proj nowhere else, and has no decorator but transformers' deprecate_kwarg
+    renames (which touch only the arguments). transformers' Llama attention, and those copying it."""
+    import ast
+    import textwrap
+
+    inner = forward
+    while hasattr(inner, "__wrapped__"):
+        if getattr(inner, "__code__", None) is not _deprecate_kwarg_code():
+            return False
+        inner = inner.__wrapped__
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    if not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
+        return False
+    body = [ast.unparse(statement) for statement in tree.body[0].body[-2:]]
+    uses = sum(isinstance(node, ast.Attribute) and node.attr == "o_proj" for node in ast.walk(tree))
+    decorators_known = all(ast.unparse(getattr(d, "func", d)) == "deprecate_kwarg" for d in tree.body[0].decorator_list)
+    return (body == ["attn_output = self.o_proj(attn_output)", "return (attn_output, attn_weights)"]
+            and uses == 1 and decorators_known)
+
+
+def _attention_output(attn, x, kwargs):
+    """(attention output, whether it is o_proj's fp32 accumulator, for the caller to consume). When o_proj
+    is a QuantLinear and the attention's forward returns its output untouched (`_returns_o_proj_output`),
+    o_proj runs as an accumulation through a stand-in put in its place for this one call."""
+    o_proj = attn._modules.get("o_proj")
+    if not (isinstance(o_proj, QuantLinear) and _returns_o_proj_output(type(attn).forward)
+            and not _hooked((attn, o_proj))):
+        return attn(hidden_states=x, **kwargs)[0], False
+    stand_in = attn.__dict__.get("_quantkit_accumulating")
+    if stand_in is None or stand_in.inner is not o_proj:
+        stand_in = _Accumulating(o_proj)
+        object.__setattr__(attn, "_quantkit_accumulating", stand_in)  # kept, not registered
+    attn._modules["o_proj"] = stand_in  # the dict itself: no registration work per call
+    try:
+        out = attn(hidden_states=x, **kwargs)[0]
+    finally:
+        attn._modules["o_proj"] = o_proj
+    sums, stand_in.sums = stand_in.sums, None
+    if sums is None:
+        return out, False
+    if out is not sums:  # not for the forwards accepted above; finish the sums rather than leave them
+        out = out.to(torch.float16).to(x.dtype)
+        sums.zero_()
+        return out, False
+    return out, True
+
+
 def _accumulating_projections(mlp):
     """(stacked gate/up, down) QuantLinears of a fused MLP that `_mlp_output` may run as accumulations,
     else None: gate and up must be the two halves of one stacked module (fuse_projections), and no
@@ -143,8 +211,8 @@ def _fused_layer_forward(self, hidden_states, *args, **kwargs):
             warnings.warn(f"{old} is deprecated, use {new}", FutureWarning, stacklevel=2)
             kwargs.setdefault(new, kwargs.pop(old))
     passed = {name: kwargs.pop(name, default) for name, default in params}
-    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
-    hidden_states, normed = _add_then_norm(hidden_states, attn, self.post_attention_layernorm)
+    attn, consume = _attention_output(self.self_attn, self.input_layernorm(hidden_states), {**passed, **kwargs})
+    hidden_states, normed = _add_then_norm(hidden_states, attn, self.post_attention_layernorm, consume)
     following = self.__dict__.get("_quantkit_next_norm")  # the next layer's input norm, or the final norm
     if following is None:
         return hidden_states + self.mlp(normed)
@@ -316,7 +384,7 @@ def unfuse_pointwise(model):
     for module in model.modules():
         if getattr(module.forward, "__func__", None) in (_fused_rms_forward, _fused_mlp_forward, _fused_layer_forward):
             del module.forward
-        for name in ("_quantkit_next_norm", "_quantkit_pending"):
+        for name in ("_quantkit_next_norm", "_quantkit_pending", "_quantkit_accumulating"):
             module.__dict__.pop(name, None)
         if hasattr(module, "q_proj"):
             modeling = sys.modules[type(module).__module__]

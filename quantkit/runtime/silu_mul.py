@@ -26,14 +26,17 @@ def _kernel(triton, tl):
         gate_ptrs = acc_ptr + row * acc_stride + cols
         gate = tl.load(gate_ptrs, mask=inside, other=0.0)
         up = tl.load(gate_ptrs + width, mask=inside, other=0.0)
-        zero = tl.zeros([BLOCK], tl.float32)
-        tl.store(gate_ptrs, zero, mask=inside)
-        tl.store(gate_ptrs + width, zero, mask=inside)
         dtype = out_ptr.dtype.element_ty
         gate = gate.to(tl.float16).to(dtype).to(tl.float32)
         up = up.to(tl.float16).to(dtype).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * width + cols, (silu * up).to(dtype), mask=inside)
+        # Clear only after a barrier, which the output's store (it needs every load's value) precedes:
+        # stored right after the loads, zeros overtook some of them on an H100 (BENCHMARKS.md, issue 10).
+        tl.debug_barrier()
+        zero = tl.zeros([BLOCK], tl.float32)
+        tl.store(gate_ptrs, zero, mask=inside)
+        tl.store(gate_ptrs + width, zero, mask=inside)
 
     return silu_mul_kernel
 

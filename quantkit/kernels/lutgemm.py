@@ -26,8 +26,8 @@ store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B dec
 asks for it reads the sums and zeroes them (runtime.fusion does, in the kernel that consumes them).
 
 Importing this module registers `forward` and `accumulate` for "bcq" and "uniform" with
-quantkit.kernels.dispatch; both return None (-> PyTorch reference, or
-the caller's ordinary path) when the extension cannot be built or the input is not one they serve.
+quantkit.kernels.dispatch; both return None (-> PyTorch reference, or the caller's ordinary path) when
+the extension cannot be built or the input is not one they serve.
 """
 
 from dataclasses import dataclass

@@ -110,13 +110,10 @@ def _returns_o_proj_output(forward):
     import ast
     import textwrap
 
-    inner = forward
-    while hasattr(inner, "__wrapped__"):
-        if getattr(inner, "__code__", None) is not _deprecate_kwarg_code():
-            return False
-        inner = inner.__wrapped__
+    if _rename_wrappers(forward) is None:
+        return False
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
     except (OSError, TypeError, SyntaxError):
         return False
     if not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
@@ -246,6 +243,16 @@ def _deprecate_kwarg_code():
     return deprecate_kwarg("old", "99.0", new_name="new")(lambda **kwargs: None).__code__
 
 
+def _rename_wrappers(fn):
+    """How many wrappers `fn` has, when each is transformers' deprecate_kwarg rename; else None."""
+    depth = 0
+    while hasattr(fn, "__wrapped__"):
+        if getattr(fn, "__code__", None) is not _deprecate_kwarg_code():
+            return None
+        fn, depth = fn.__wrapped__, depth + 1
+    return depth
+
+
 @functools.cache  # per class forward: fuse_pointwise asks for every module of a model
 def _restated_layer(forward):
     """((name, default) of the keyword parameters, (old, new) keyword renames) when `forward` is the decoder
@@ -260,11 +267,9 @@ def _restated_layer(forward):
     wrapped = getattr(forward, "__wrapped__", None)
     if wrapped is not None and forward.__code__.co_name == "forward_with_checkpointing":
         forward = wrapped
-    inner, depth = forward, 0
-    while hasattr(inner, "__wrapped__"):
-        if getattr(inner, "__code__", None) is not _deprecate_kwarg_code():
-            return None  # a wrapper whose effect would be lost with the body
-        inner, depth = inner.__wrapped__, depth + 1
+    depth = _rename_wrappers(forward)
+    if depth is None:
+        return None  # a wrapper whose effect would be lost with the body
     try:
         parameters = list(inspect.signature(forward).parameters.values())
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))

@@ -76,9 +76,7 @@ def _add_then_norm(residual, delta, norm, consume=False):
     if add_norm.supported(residual, delta, norm.weight, consume):
         return add_norm.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon, consume=consume)
     if consume:
-        finished = delta.to(torch.float16).to(residual.dtype)  # the matvec's fp16 output
-        delta.zero_()
-        delta = finished
+        delta = QuantLinear.finish(delta, residual.dtype)
     return _compiled(add_norm.add_rms_norm_torch)(residual, delta, norm.weight, norm.variance_epsilon)
 
 
@@ -145,10 +143,9 @@ def _attention_output(attn, x, kwargs):
     sums, stand_in.sums = stand_in.sums, None
     if sums is None:
         return out, False
-    if out is not sums:  # not for the forwards accepted above; finish the sums rather than leave them
-        out = out.to(torch.float16).to(x.dtype)
+    if out is not sums:  # not for the forwards accepted above; clear the sums rather than leave them
         sums.zero_()
-        return out, False
+        return out.to(x.dtype), False
     return out, True
 
 

@@ -80,5 +80,13 @@ class QuantLinear(torch.nn.Module):
         it before this module runs again (runtime.fusion's consumers do both in one kernel)."""
         return kernel_accumulate(self, x)
 
+    @staticmethod
+    def finish(sums, dtype):
+        """What forward would have returned, in `dtype`, from accumulate's `sums` (the kernels' fp16
+        rounding of them), which it zeroes: the PyTorch form of a consumer's job."""
+        out = sums.to(torch.float16).to(dtype)
+        sums.zero_()
+        return out
+
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.bits or self.meta.get('bits')}"

@@ -9,6 +9,7 @@ to the dtype before the product), and writes zeros back so the workspace is read
 
 import torch
 
+from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.runtime.triton_kernel import lazy_kernel
 
 BLOCK = 1024  # columns per program: a 7B MLP row (11008) is 11 programs
@@ -61,7 +62,5 @@ def silu_mul_consuming(acc, dtype):
 
 def silu_mul_consuming_torch(acc, dtype):
     """What `silu_mul_consuming` computes, in PyTorch (its reference, and the path where it does not serve)."""
-    gate, up = acc.to(torch.float16).to(dtype).chunk(2, dim=-1)
-    out = torch.nn.functional.silu(gate) * up
-    acc.zero_()
-    return out
+    gate, up = QuantLinear.finish(acc, dtype).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

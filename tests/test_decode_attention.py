@@ -62,6 +62,55 @@ def _check_with_new_kv(case, device="cpu", dtype=torch.float16, counters=None):
     return _rel_error(got, da.reference(query, want_k, want_v, position, dim**-0.5)), problems
 
 
+def _sums_case(batch, heads, kv_heads, length, dim, last, dtype=torch.float16, device="cpu"):
+    """A step whose query and new key/value are still a stacked q/k/v matvec's fp32 sums, not rotated:
+    (sums [B, 1, (H + 2 Hkv) D], query, key, value views of them as the model shapes its projections,
+    keys, values, position, (cos, sin) [B, 1, D] of the position in dtype)."""
+    _, keys, values, position = _case(batch, heads, kv_heads, length, dim, last, dtype, device)
+    keys[:, :, last], values[:, :, last] = float("nan"), float("nan")
+    g = torch.Generator().manual_seed(last + 11)
+    sums = torch.randn(batch, 1, (heads + 2 * kv_heads) * dim, generator=g).to(device)
+    q, k, v = sums.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (t.view(batch, 1, -1, dim).transpose(1, 2) for t in (q, k, v))
+    angles = last * 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.cat([angles, angles]).expand(batch, 1, dim)
+    return sums, q, k, v, keys, values, position, (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+
+
+def _check_rope_and_sums(case, device="cpu", dtype=torch.float16, counters=None):
+    """decode with rope and consume against decode_torch: (relative error, problems found)."""
+    sums, q, k, v, keys, values, position, rope = _sums_case(*case, dtype=dtype, device=device)
+    want_sums, want_keys, want_values = sums.clone(), keys.clone(), values.clone()
+    wq, wk, wv = (t.view(case[0], 1, -1, case[4]).transpose(1, 2)
+                  for t in want_sums.split([case[1] * case[4], case[2] * case[4], case[2] * case[4]], dim=-1))
+    want = da.decode_torch(wq, want_keys, want_values, position, case[4] ** -0.5, (wk, wv), rope, consume=True)
+    got = da.decode(q, keys, values, position, case[4] ** -0.5, counters, new_kv=(k, v), rope=rope, consume=True)
+    problems = []
+    if sums.any():
+        problems.append("sums not cleared")
+    if got.dtype != dtype or not torch.isfinite(got).all():
+        problems.append("output not finite in the cache's dtype")
+    # the rotated key may differ from the reference's in its last bit (fp32 contraction before rounding)
+    if not (torch.allclose(keys.nan_to_num(7.0).float(), want_keys.nan_to_num(7.0).float(), rtol=1e-2, atol=1e-3)
+            and torch.equal(values.nan_to_num(7.0), want_values.nan_to_num(7.0))):
+        problems.append("cache not the old one plus the rotated key and the finished value")
+    return _rel_error(got, want.float()), problems
+
+
+def test_attended_inputs_rotate_as_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    sums, q, k, v, *_, rope = _sums_case(2, 6, 2, 200, 64, 150, dtype=torch.float32)
+    got_q, (got_k, got_v) = da.attended_inputs(q, (k, v), torch.float32, rope)
+    want_q, want_k = apply_rotary_pos_emb(q, k, *rope)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_v, v)
+    # consume: the matvec's fp16 rounding, then the dtype
+    got_q, _ = da.attended_inputs(q, None, torch.bfloat16, consume=True)
+    assert torch.equal(got_q, q.half().bfloat16())
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c))
 def test_reference_equals_sdpa_with_the_decoders_mask(case):
     query, keys, values, position = _case(*case)
@@ -80,7 +129,7 @@ def test_reference_equals_sdpa_with_the_decoders_mask(case):
 _INTERPRETED = """
 import json, sys, torch
 sys.path[:0] = {paths!r}
-from test_decode_attention import CASES, _case, _check_with_new_kv, _rel_error
+from test_decode_attention import CASES, _case, _check_rope_and_sums, _check_with_new_kv, _rel_error
 from quantkit.runtime import decode_attention as da
 report = []
 shared = da.counters(8, 8, "cpu")
@@ -88,9 +137,11 @@ for case in CASES:
     query, keys, values, position = _case(*case)
     got = da.decode(query, keys, values, position, case[4] ** -0.5, shared)
     new_kv_error, new_kv_problems = _check_with_new_kv(case, counters=shared)
+    rope_error, rope_problems = _check_rope_and_sums(case, counters=shared)
     report.append({{"shape": list(got.shape), "dtype": str(got.dtype), "finite": bool(torch.isfinite(got).all()),
                    "error": _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5)),
-                   "new_kv_error": new_kv_error, "new_kv_problems": new_kv_problems}})
+                   "new_kv_error": new_kv_error, "new_kv_problems": new_kv_problems,
+                   "rope_error": rope_error, "rope_problems": rope_problems}})
 print(json.dumps({{"cases": report, "counters_left": int(shared.abs().sum())}}))
 """
 
@@ -102,6 +153,7 @@ def test_interpreted_kernel_matches_reference(run_interpreted):
         assert r["shape"] == [case[0], 1, case[1], case[4]] and r["dtype"] == "torch.float16", (case, r)
         assert r["finite"] and r["error"] < 2e-3, (case, r)
         assert not r["new_kv_problems"] and r["new_kv_error"] < 2e-3, (case, r)
+        assert not r["rope_problems"] and r["rope_error"] < 2e-3, (case, r)
 
 
 def test_attention_forward_without_a_position_is_sdpa():
@@ -158,6 +210,9 @@ def test_cuda_kernel_matches_reference(case, dtype):
         assert _rel_error(got, da.reference(query, keys, values, position, case[4] ** -0.5)) < 2e-3
     error, problems = _check_with_new_kv(case, "cuda", dtype, counters)
     assert not problems and error < 2e-3
+    for _ in range(50):  # the sums are cleared after every program read them: a race shows in a loop
+        error, problems = _check_rope_and_sums(case, "cuda", dtype, counters)
+        assert not problems and error < 2e-3
     assert not counters.any()
 
 

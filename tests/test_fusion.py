@@ -236,19 +236,17 @@ def test_projections_that_differ_stay_apart():
     assert not hasattr(model.model.layers[1].mlp, "fused_gate_up")
 
 
-def test_quantized_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
-    """With stacked quantized projections, each fused layer runs o_proj, gate/up and down as accumulations
-    (the LUT kernels' fp32 sums, faked here on the CPU with the contract's checks): the add + norm and
-    SiLU·mul finish them, the logits are bit-equal to the unfused model's, and every accumulator is left
-    zero. A module with a forward hook (layer 1's down projection, layer 2's attention) keeps its call."""
+def _fake_accumulations(monkeypatch):
+    """QuantLinear.accumulate as the LUT kernels do it, faked on the CPU with the contract's checks (the
+    sums are zero on entry); returns the list of modules it ran for. The fused functions run eagerly, so
+    that bit-equality can be the check."""
     import torch.nn.functional as F
 
     from quantkit.runtime import QuantLinear, fusion
-    from quantkit.runtime.fusion import fuse_projections
 
     calls = []
 
-    def fake_accumulate(module, x):  # QuantLinear.accumulate as the LUT kernels do it, on the CPU
+    def fake_accumulate(module, x):
         tokens = x.reshape(-1, x.shape[-1]).shape[0]
         if tokens > 8:
             return None  # more tokens go to dequantize + cuBLAS
@@ -260,7 +258,19 @@ def test_quantized_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
         return view
 
     monkeypatch.setattr(QuantLinear, "accumulate", fake_accumulate)
-    monkeypatch.setattr(fusion, "_compiled", lambda fn: fn)  # eager, so bit-equality is the check
+    monkeypatch.setattr(fusion, "_compiled", lambda fn: fn)
+    return calls
+
+
+def test_quantized_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
+    """With stacked quantized projections, each fused layer runs o_proj, gate/up and down as accumulations
+    (faked on the CPU, `_fake_accumulations`): the add + norm and SiLU·mul finish them, the logits are
+    bit-equal to the unfused model's, and every accumulator is left zero. A module with a forward hook
+    (layer 1's down projection, layer 2's attention) keeps its call."""
+    from quantkit.runtime import QuantLinear
+    from quantkit.runtime.fusion import fuse_projections
+
+    calls = _fake_accumulations(monkeypatch)
     model = _quantize_linears(_tiny_llama(layers=3), "uniform").half()
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(8))
     handle = fuse_projections(model)  # stacked uniform projections run on their BCQ form: the reference too
@@ -309,3 +319,92 @@ def test_attention_outputs_are_accumulated_only_when_returned_untouched():
             return attn_output, attn_weights
 
     assert not _returns_o_proj_output(Scaled.forward) and not _returns_o_proj_output(Rescaled.forward)
+
+
+def _split_decoder(model, max_len):
+    """A StaticGreedyDecoder whose decode steps hand each layer's key and value to its attention call, as
+    on CUDA with Triton (forced here on the CPU)."""
+    from quantkit.runtime import decode_attention
+
+    decoder = StaticGreedyDecoder(model, max_len=max_len)
+    decoder.split_attention = decoder._kernel_writes_cache = True
+    decoder._attention_step = decode_attention.DecodeStep(
+        decoder.pos, decode_attention.counters(1, model.config.num_attention_heads, "cpu"),
+        layer_cache=decoder._layer_cache)
+    return decoder
+
+
+@pytest.mark.parametrize("kernel", ["emulated", "not-served"])
+def test_decode_steps_rotate_and_finish_qkv_in_the_attention_call(monkeypatch, kernel):
+    """In a decode step of the split decoder, a fused layer restates the attention: the stacked q/k/v
+    matvec stops at its sums and the attention kernel finishes them, rotates the query and key and writes
+    the cache (here `decode_torch`, the kernel's PyTorch form, stands in for it on the CPU). Where the
+    kernel does not serve ("not-served": the CPU as it is), the restated forward finishes, rotates and
+    calls the attention function itself. Either way: the tokens of the unfused model, and every
+    accumulator left zero."""
+    from quantkit.runtime import decode_attention
+    from quantkit.runtime.fusion import fuse_projections
+
+    calls = _fake_accumulations(monkeypatch)
+    model = _quantize_linears(_tiny_llama(layers=3), "uniform").half()
+    handle = fuse_projections(model)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(8))
+    kernel_calls = []
+    if kernel == "emulated":
+        def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, rope=None, consume=False):
+            kernel_calls.append((rope is not None, consume))
+            return decode_attention.decode_torch(query, keys, values, position, scale, new_kv, rope, consume)
+
+        monkeypatch.setattr(decode_attention, "supported", lambda *args, **kwargs: True)
+        monkeypatch.setattr(decode_attention, "decode", decode)
+    with torch.inference_mode():
+        want = _split_decoder(model, 16).generate(ids, 6)
+        assert kernel_calls == ([(False, False)] * 3 * 5 if kernel == "emulated" else [])  # unfused: plain calls
+    try:
+        fuse_pointwise(model)
+        calls.clear()
+        kernel_calls.clear()
+        with torch.inference_mode():
+            got = _split_decoder(model, 16).generate(ids, 6)
+        assert torch.equal(got, want)
+        layers = model.model.layers
+        prefill = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+        per_step = [m for layer in layers for m in (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj,
+                                                    layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+        assert [id(m) for m in calls] == [id(m) for m in prefill + per_step * 5]  # 5 decode steps
+        if kernel == "emulated":
+            assert kernel_calls == [(True, True)] * 3 * 5
+        sums = [m.__dict__["_fake_sums"] for m in model.modules() if "_fake_sums" in m.__dict__]
+        assert len(sums) == 4 * 3 and not any(s.any() for s in sums)
+    finally:
+        unfuse_pointwise(model)
+        handle.undo()
+
+
+def test_the_restated_attention_is_llamas():
+    from transformers.models.llama import modeling_llama
+
+    from quantkit.runtime.fusion import _restated_attention
+
+    restated = _restated_attention(modeling_llama.LlamaAttention.forward)
+    assert restated is not None and restated[0] in ("past_key_values", "cache")
+
+    class Scaled(modeling_llama.LlamaAttention):  # the same statements but one
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_states = 2 * self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)  # noqa: F821
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(  # noqa: F821
+                self.config._attn_implementation, eager_attention_forward)  # noqa: F821
+            attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask, dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)  # noqa: E501
+            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+            attn_output = self.o_proj(attn_output)
+            return attn_output, attn_weights
+
+    assert _restated_attention(Scaled.forward) is None

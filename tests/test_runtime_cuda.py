@@ -298,10 +298,11 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
             stacking.undo()
     _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
     # the accumulations ran where the LUT kernels serve the matvecs (BCQ / uniform layers): o_proj always,
-    # gate/up and down when stacked
+    # the stacked q/k/v (finished by the attention kernel) and gate/up and down when stacked
     served = {module.out_features for module, sums in accumulated if sums is not None}
     config = model.config
-    want = {config.hidden_size} | ({2 * config.intermediate_size} if stack else set())  # o_proj, down | gate/up
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * (config.hidden_size // config.num_attention_heads)
+    want = {config.hidden_size} | ({2 * config.intermediate_size, qkv} if stack else set())  # o_proj, down | gate/up, q/k/v
     assert served == (set() if name == "anyprec" else want), served
 
 

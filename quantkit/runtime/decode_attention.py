@@ -17,6 +17,7 @@ SDPA function unchanged.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,10 @@ class DecodeStep:
     # layer index -> (key, value) [B, Hkv, 1, D] of the step's token, not yet in the cache: its attention
     # call writes them there (the kernel itself, or an index_copy_ before SDPA) and removes the entry
     pending: dict = field(default_factory=dict)
+    # layer index -> that layer's (keys, values) cache tensors, or None while not allocated: set by a
+    # decoder whose attention calls write the new key and value (as with `pending`). It lets an attention
+    # that calls `decode` itself (runtime.fusion) hand it the key and value before their rotation.
+    layer_cache: Callable | None = None
 
 
 def reference(query, keys, values, position, scale):
@@ -59,6 +64,40 @@ def reference(query, keys, values, position, scale):
     return F.scaled_dot_product_attention(query.float(), k, v, scale=scale).transpose(1, 2)
 
 
+def attended_inputs(query, new_kv, dtype, rope=None, consume=False):
+    """(query, (key, value) or None) as `decode` attends with them, in `dtype`: with consume, fp32 sums
+    rounded as the matvec's fp16 output would be; with rope = (cos, sin), the query and key rotated as
+    apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin, in fp32 and rounded once."""
+
+    def finish(t):
+        return (t.to(torch.float16) if consume else t).to(dtype)
+
+    def rotate(t):
+        cos, sin = (r.float().reshape(r.shape[0], 1, 1, r.shape[-1]) for r in rope)
+        half = t.shape[-1] // 2
+        t = t.float()
+        return (t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin).to(dtype)
+
+    query = finish(query)
+    new_kv = None if new_kv is None else tuple(finish(t) for t in new_kv)
+    if rope is not None:
+        query = rotate(query)
+        new_kv = None if new_kv is None else (rotate(new_kv[0]), new_kv[1])
+    return query, new_kv
+
+
+def decode_torch(query, keys, values, position, scale, new_kv=None, rope=None, consume=False):
+    """What `decode` computes and writes (the new key and value into the cache, zeros into consumed sums),
+    in PyTorch: its reference, for any device."""
+    q, kv = attended_inputs(query, new_kv, keys.dtype, rope, consume)
+    if kv is not None:
+        write_kv(keys, values, kv[0], kv[1], position.reshape(-1)[:1].to(keys.device))
+    if consume:
+        for sums in (query, *new_kv):
+            sums.zero_()
+    return reference(q, keys, values, position, scale).to(keys.dtype)
+
+
 def write_kv(keys, values, key_states, value_states, position):
     """Put one position's key and value [B, Hkv, 1, D] into the cache [B, Hkv, L, D] at `position`
     (a 1-element integer tensor on the cache's device)."""
@@ -70,11 +109,33 @@ def write_kv(keys, values, key_states, value_states, position):
 def _kernel(triton, tl):
     """The attention kernel, compiled by Triton on first launch."""
 
+    global _head_vector  # a jit function finds the jit functions it calls among its module's globals
+
     @triton.jit
-    def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr, count_ptr, out_ptr,
-                      q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, kn_sb, kn_sh, vn_sb, vn_sh, qk_scale, length,
+    def _head_vector(ptr, d, swap, sign, cos, sin, mask, like_ptr, ROPE: tl.constexpr, CONSUME: tl.constexpr):
+        """One head's query, key or value as attention uses it, in like_ptr's dtype: with CONSUME read
+        from a matvec's fp32 sums and rounded as its fp16 output would be; with ROPE rotated as
+        apply_rotary_pos_emb (compiled) does, x * cos + rotate_half(x) * sin in fp32, rounded once."""
+        dtype = like_ptr.dtype.element_ty
+        x = tl.load(ptr + d, mask=mask, other=0.0)
+        if CONSUME:
+            x = x.to(tl.float16)
+        x = x.to(dtype)
+        if ROPE:
+            partner = tl.load(ptr + swap, mask=mask, other=0.0)
+            if CONSUME:
+                partner = partner.to(tl.float16)
+            partner = partner.to(dtype).to(tl.float32)
+            x = (x.to(tl.float32) * cos + sign * partner * sin).to(dtype)
+        return x
+
+    @triton.jit
+    def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, pos_ptr, part_ptr, count_ptr,
+                      kv_count_ptr, out_ptr, q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, kn_sb, kn_sh, vn_sb,
+                      vn_sh, cs_sb, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                      SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr):
+                      SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr,
+                      ROPE: tl.constexpr, CONSUME: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -88,15 +149,26 @@ def _kernel(triton, tl):
         # keys and values are both loaded before any arithmetic, so their reads overlap
         k = tl.load(k_ptr + b * k_sb + kv_head * k_sh + n[:, None] * k_sn + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + b * v_sb + kv_head * v_sh + n[:, None] * v_sn + d[None, :], mask=live[:, None], other=0.0)
+        swap = (d + D // 2) % D  # rotate_half: element d pairs with d ± D/2, negated in the first half
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        cos = sign
+        sin = sign
+        if ROPE:
+            cos = tl.load(cos_ptr + b * cs_sb + d).to(tl.float32)
+            sin = tl.load(sin_ptr + b * cs_sb + d).to(tl.float32)
+        everywhere = d < D
+        q = _head_vector(q_ptr + b * q_sb + h * q_sh, d, swap, sign, cos, sin, everywhere, k_ptr, ROPE, CONSUME)
         # qk_scale carries log2(e): the softmax is in base 2
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + d).to(tl.float32) * qk_scale
+        q = q.to(tl.float32) * qk_scale
         s = tl.where(live, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
         m = tl.max(s, axis=0)
         if HAS_NEW:  # one more score, only in the chunk that holds the position (elsewhere -inf, weight 0)
             holds = (split == last // CHUNK) & (last < length)
             fetch = d < tl.where(holds, D, 0)  # a boolean vector (Triton 3.9's interpreter rejects scalar & vector)
-            k_new = tl.load(kn_ptr + b * kn_sb + kv_head * kn_sh + d, mask=fetch, other=0.0)
-            v_new = tl.load(vn_ptr + b * vn_sb + kv_head * vn_sh + d, mask=fetch, other=0.0)
+            k_new = _head_vector(kn_ptr + b * kn_sb + kv_head * kn_sh, d, swap, sign, cos, sin, fetch, k_ptr,
+                                ROPE, CONSUME)
+            v_new = _head_vector(vn_ptr + b * vn_sb + kv_head * vn_sh, d, swap, sign, cos, sin, fetch, k_ptr,
+                                False, CONSUME)
             s_new = tl.where(holds, tl.sum(k_new.to(tl.float32) * q, axis=0), float("-inf"))
             m = tl.maximum(m, s_new)
         m_safe = tl.where(m == float("-inf"), 0.0, m)  # an empty chunk: weights 0, not NaN
@@ -133,6 +205,20 @@ def _kernel(triton, tl):
             out = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
             tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
             tl.store(count_ptr + bh, 0)  # zero again for the next call
+            if CONSUME:
+                # Every program of this head has read its query (before its release above): clear it.
+                # The head's key and value were read by one program of each head of its KV group: the
+                # group's last merge (a second counter) clears them.
+                zero = tl.zeros([D], tl.float32)
+                tl.store(q_ptr + b * q_sb + h * q_sh + d, zero)
+                group_done = GROUP - 1
+                if GROUP > 1:
+                    group_done = tl.atomic_add(kv_count_ptr + b * (H // GROUP) + kv_head, 1, sem="acq_rel", scope="gpu")
+                if group_done == GROUP - 1:
+                    tl.store(kn_ptr + b * kn_sb + kv_head * kn_sh + d, zero)
+                    tl.store(vn_ptr + b * vn_sb + kv_head * vn_sh + d, zero)
+                    if GROUP > 1:
+                        tl.store(kv_count_ptr + b * (H // GROUP) + kv_head, 0)
 
     return attend_kernel
 
@@ -142,58 +228,88 @@ def available():
     return _kernel() is not None
 
 
-def supported(query, keys, values, dropout=0.0):
-    """Whether `decode` can serve this call (else: transformers' SDPA function)."""
+def supported(query, keys, values, dropout=0.0, consume=False):
+    """Whether `decode` can serve this call (else: transformers' SDPA function); consume: the query is a
+    matvec's fp32 sums (see `decode`)."""
     b, h, q_len, d = query.shape
     return (q_len == 1 and dropout == 0.0 and query.is_cuda and available()
-            and query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype == values.dtype
+            and keys.dtype in (torch.float16, torch.bfloat16) and keys.dtype == values.dtype
+            and query.dtype == (torch.float32 if consume else keys.dtype)
             and keys.shape[0] == b and h % keys.shape[1] == 0 and keys.shape[-1] == d and values.shape == keys.shape
             and d <= MAX_HEAD_DIM and d & (d - 1) == 0 and keys.shape[2] <= CHUNK * MAX_SPLITS
             and query.stride(-1) == keys.stride(-1) == values.stride(-1) == 1)
 
 
-def new_kv_fits(new_kv, keys):
-    """Whether (key, value) can be the `new_kv` of a call on this cache."""
+def new_kv_fits(new_kv, keys, consume=False):
+    """Whether (key, value) can be the `new_kv` of a call on this cache (fp32 sums with consume)."""
     b, kv_heads, _, d = keys.shape
-    return all(t.shape == (b, kv_heads, 1, d) and t.dtype == keys.dtype and t.device == keys.device
+    dtype = torch.float32 if consume else keys.dtype
+    return all(t.shape == (b, kv_heads, 1, d) and t.dtype == dtype and t.device == keys.device
                and t.stride(-1) == 1 for t in new_kv)
 
 
+def rope_fits(rope, query):
+    """Whether (cos, sin) can be the `rope` of a call with this query: [B, 1, D] or [B, D] in the
+    model's dtype, one layout for both, unit stride along D."""
+    b, _, _, d = query.shape
+    cos, sin = rope
+    return (cos.shape == sin.shape and cos.shape in ((b, 1, d), (b, d)) and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and cos.dtype == sin.dtype and cos.device == query.device)
+
+
 def counters(batch, heads, device):
-    """The zeroed per-head counters `decode` needs (it leaves them zero): make them once, outside any
-    CUDA-graph capture, and use them from one stream at a time."""
-    return torch.zeros(batch * heads, dtype=torch.int32, device=device)
+    """The zeroed counters `decode` needs (it leaves them zero), per head and per KV head: make them once,
+    outside any CUDA-graph capture, and use them from one stream at a time."""
+    return torch.zeros(2 * batch * heads, dtype=torch.int32, device=device)
 
 
-def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, chunk=CHUNK,
-           num_warps=NUM_WARPS):
+def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, rope=None, consume=False,
+           chunk=CHUNK, num_warps=NUM_WARPS):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), position: a
     CUDA integer tensor whose first element is the last cache position to attend (0-based; later positions
-    are not read) -> [B, 1, H, D] in the query's dtype (the layout transformers' attention functions return).
+    are not read) -> [B, 1, H, D] in the cache's dtype (the layout transformers' attention functions return).
     head_counters: from `counters(B, H)` (None: fresh ones, one memset more). new_kv: (key, value)
     [B, Hkv, 1, D] of the position itself, written into the cache by this call (None: already there).
+    rope: (cos, sin) of the position: the query and new key are not rotated yet, and the call rotates
+    them as transformers' apply_rotary_pos_emb would (the key before it goes into the cache).
+    consume: the query and new key and value are views into a matvec's fp32 sums (QuantLinear.accumulate
+    of the stacked q/k/v projection), rounded as its fp16 output would be, and zeroed by this call.
     chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:
         head_counters = counters(b, h, query.device)
-    if head_counters.numel() < b * h:
-        raise ValueError(f"{head_counters.numel()} attention counters for {b * h} heads")
-    if new_kv is not None and not new_kv_fits(new_kv, keys):
-        raise ValueError("new key/value must be [B, Hkv, 1, D] in the cache's dtype, unit stride along D")
+    if head_counters.numel() < 2 * b * h:
+        raise ValueError(f"{head_counters.numel()} attention counters for {b * h} heads (make them with counters())")
+    if new_kv is not None and not new_kv_fits(new_kv, keys, consume):
+        raise ValueError("new key/value must be [B, Hkv, 1, D], unit stride along D, in the cache's dtype "
+                         "(fp32 sums with consume)")
+    if consume and new_kv is None:
+        raise ValueError("consume needs the new key and value: they are sums to clear too")
+    if rope is not None and not rope_fits(rope, query):
+        raise ValueError("rope must be (cos, sin) [B, 1, D] or [B, D], one layout, unit stride along D")
     k_new, v_new = new_kv if new_kv is not None else (keys, values)  # unused pointers when None
+    cos, sin = rope if rope is not None else (query, query)
     splits = -(-length // chunk)
     partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
-    out = torch.empty(b, 1, h, d, dtype=query.dtype, device=query.device)
+    out = torch.empty(b, 1, h, d, dtype=keys.dtype, device=query.device)
     log2e = 1.4426950408889634
     _kernel()[(b * h, splits)](
-        query, keys, values, k_new, v_new, position, partials, head_counters, out,
+        query, keys, values, k_new, v_new, cos, sin, position, partials, head_counters, head_counters[b * h :], out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1), scale * log2e, length,
+        v_new.stride(0), v_new.stride(1), cos.stride(0), scale * log2e, length,
         H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
-        SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None, num_warps=num_warps)
+        SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None,
+        ROPE=rope is not None, CONSUME=consume, num_warps=num_warps)
     return out
+
+
+def plain(module, kwargs):
+    """Whether an attention module and the keyword arguments of its attention function call for nothing
+    but softmax attention over the cache (no soft-capping, no sliding window): what `decode` computes."""
+    return (kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+            and getattr(module, "sliding_window", None) is None)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -203,9 +319,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     step = kwargs.pop(STEP_KWARG, None)
     new_kv = step.pending.pop(getattr(module, "layer_idx", None), None) if step is not None else None
-    plain = (kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-             and getattr(module, "sliding_window", None) is None)
-    if (step is not None and plain and supported(query, key, value, dropout)
+    if (step is not None and plain(module, kwargs) and supported(query, key, value, dropout)
             and (new_kv is None or new_kv_fits(new_kv, key))):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return decode(query, key, value, step.position, scale, step.head_counters, new_kv), None

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
-from quantkit.runtime import add_norm, silu_mul
+from quantkit.runtime import add_norm, decode_attention, silu_mul
 from quantkit.runtime.quant_linear import QuantLinear
 
 
@@ -124,9 +124,13 @@ def _returns_o_proj_output(forward):
 
 
 def _attention_output(attn, x, kwargs):
-    """(attention output, whether it is o_proj's fp32 accumulator, for the caller to consume). When o_proj
+    """(attention output, whether it is o_proj's fp32 accumulator, for the caller to consume). A decode
+    step of StaticGreedyDecoder goes to `_decode_step_attention` where it serves. Otherwise, when o_proj
     is a QuantLinear and the attention's forward returns its output untouched (`_returns_o_proj_output`),
     o_proj runs as an accumulation through a stand-in put in its place for this one call."""
+    restated = _decode_step_attention(attn, x, kwargs)
+    if restated is not None:
+        return restated
     o_proj = attn._modules.get("o_proj")
     if not (isinstance(o_proj, QuantLinear) and _returns_o_proj_output(type(attn).forward)
             and not _hooked((attn, o_proj))):
@@ -149,19 +153,156 @@ def _attention_output(attn, x, kwargs):
     return out, True
 
 
+# LlamaAttention.forward's statements, which _decode_step_attention restates for a decode step; {cache} is
+# its cache parameter's name, {update} what else its update call passes (both changed in transformers 5.24)
+_ATTENTION_STATEMENTS = """
+input_shape = hidden_states.shape[:-1]
+hidden_shape = (*input_shape, -1, self.head_dim)
+query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+cos, sin = position_embeddings
+query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+if {cache} is not None:
+    key_states, value_states = {cache}.update(key_states, value_states, self.layer_idx{update})
+attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask, dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+attn_output = self.o_proj(attn_output)
+return attn_output, attn_weights
+"""
+
+
+@functools.cache  # per class forward
+def _restated_attention(forward):
+    """(cache parameter name, (old, new) keyword renames) when `forward` is the attention forward that
+    _decode_step_attention restates (transformers' Llama one, and those copying it): self, hidden_states,
+    position_embeddings, attention_mask, the cache and **kwargs; the statements of _ATTENTION_STATEMENTS;
+    no decorator but deprecate_kwarg renames. Else None."""
+    import ast
+    import textwrap
+
+    depth = _rename_wrappers(forward)
+    if depth is None:
+        return None
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+        found = _renames_and_body(ast.parse(textwrap.dedent(inspect.getsource(forward))), depth)
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    names = [p.name for p in parameters]
+    if (found is None or len(names) != 6 or names[:4] != ["self", "hidden_states", "position_embeddings", "attention_mask"]
+            or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD or names[-1] != "kwargs"):
+        return None
+    renames, body = found
+    for update in ("", ", kwargs=kwargs"):
+        expected = ast.parse(_ATTENTION_STATEMENTS.format(cache=names[4], update=update)).body
+        if body == tuple(ast.unparse(statement) for statement in expected):
+            return names[4], renames
+    return None
+
+
+@functools.cache  # per function
+def _has_llama_source(fn, which):
+    return _same_source(fn, _llama_sources()[which])
+
+
+def _rotates_as_llama(modeling):
+    """Whether a modeling module's apply_rotary_pos_emb (ours compiled, or its own) and rotate_half are
+    transformers' Llama ones: the rotation decode_attention's kernel does."""
+    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+    rotary = getattr(rotary, "_quantkit_original", rotary)
+    return (rotary is not None and _has_llama_source(rotary, "rotary")
+            and _has_llama_source(getattr(modeling, "rotate_half", None), "rotate_half"))
+
+
+def _decode_step_attention(attn, x, kwargs):
+    """One decode step's attention as transformers' Llama forward computes it (`_restated_attention`), with
+    the rotary embedding done inside decode_attention's kernel, which also writes the step's key and value
+    into the cache; where q/k/v are slices of one stacked QuantLinear on the LUT kernels, their matvec
+    stops at its fp32 sums (QuantLinear.accumulate) and that kernel finishes and clears them too. Two
+    kernels fewer per layer. Serves the steps of StaticGreedyDecoder that hand the key and value to the
+    attention call (their DecodeStep has `layer_cache`), the attention function being decode_attention's;
+    returns what _attention_output does, or None where it does not serve (the forward runs as usual)."""
+    step = kwargs.get(decode_attention.STEP_KWARG)
+    if step is None or step.layer_cache is None or attn.training or _hooked((attn,)):
+        return None
+    restated = _restated_attention(type(attn).forward)
+    if restated is None:
+        return None
+    cache_name, renames = restated
+    kwargs = dict(kwargs)
+    for old, new in renames:  # what the forward's deprecate_kwarg decorators do (the layer warned already)
+        if old in kwargs:
+            kwargs.setdefault(new, kwargs.pop(old))
+    position_embeddings = kwargs.pop("position_embeddings", None)
+    attention_mask = kwargs.pop("attention_mask", None)
+    cache = kwargs.pop(cache_name, None)
+    modeling = sys.modules[type(attn).__module__]
+    interfaces = getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None)
+    if (position_embeddings is None or cache is None or interfaces is None or not _rotates_as_llama(modeling)
+            or interfaces.get(attn.config._attn_implementation) is not decode_attention.attention_forward
+            or not decode_attention.plain(attn, kwargs)):
+        return None
+    layer_kv = step.layer_cache(attn.layer_idx)
+    if layer_kv is None:  # the cache allocates it in its own update: the forward as written
+        return None
+    keys, values = layer_kv
+    names = ("q_proj", "k_proj", "v_proj")
+    stacked = _stacked_quantized(attn, names)
+    sums = None if stacked is None else stacked.accumulate(x)
+    if sums is None:
+        q, k, v = (getattr(attn, name)(x) for name in names)  # the module calls, in the forward's order
+    else:
+        q, k, v = (sums[..., getattr(attn, name).start : getattr(attn, name).stop] for name in names)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+    cos, sin = position_embeddings
+    consume = sums is not None
+    if (decode_attention.supported(q, keys, values, consume=consume)
+            and decode_attention.new_kv_fits((k, v), keys, consume) and decode_attention.rope_fits((cos, sin), q)):
+        out = decode_attention.decode(q, keys, values, step.position, attn.scaling, step.head_counters,
+                                      new_kv=(k, v), rope=(cos, sin), consume=consume)
+    else:  # the forward's own steps; the attention function writes the key and value (pending) or runs SDPA
+        if consume:
+            finished = QuantLinear.finish(sums, x.dtype)
+            q, k, v = (finished[..., getattr(attn, name).start : getattr(attn, name).stop].view(shape).transpose(1, 2)
+                       for name in names)
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        step.pending[attn.layer_idx] = (k, v)
+        out, _ = decode_attention.attention_forward(attn, q, keys, values, attention_mask, dropout=0.0,
+                                                    scaling=attn.scaling, **kwargs)
+    out = out.reshape(*x.shape[:-1], -1).contiguous()
+    o_proj = attn.o_proj
+    o_sums = o_proj.accumulate(out) if isinstance(o_proj, QuantLinear) and not _hooked((o_proj,)) else None
+    return (o_proj(out), False) if o_sums is None else (o_sums, True)
+
+
+def _stacked_quantized(parent, names):
+    """The QuantLinear whose output the modules `names` of `parent` are consecutive slices of, in order and
+    covering all of it (fuse_projections), when none of them has forward hooks (an accumulation bypasses
+    the modules' calls); else None."""
+    slices = [getattr(parent, name, None) for name in names]
+    if not all(isinstance(s, _Slice) for s in slices):
+        return None
+    stacked = slices[0].stacked
+    bounds = [0] + [s.stop for s in slices]
+    if not (isinstance(stacked, QuantLinear) and all(s.stacked is stacked for s in slices)
+            and [s.start for s in slices] == bounds[:-1] and bounds[-1] == stacked.out_features):
+        return None
+    return None if _hooked((*slices, stacked)) else stacked
+
+
 def _accumulating_projections(mlp):
     """(stacked gate/up, down) QuantLinears of a fused MLP that `_mlp_output` may run as accumulations,
     else None: gate and up must be the two halves of one stacked module (fuse_projections), and no
     forward hooks anywhere on the way (the accumulations bypass the modules' calls)."""
-    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-    if not (_is_fused(mlp, _fused_mlp_forward) and isinstance(gate, _Slice) and isinstance(up, _Slice)
-            and isinstance(down, QuantLinear)):
+    stacked = _stacked_quantized(mlp, ("gate_proj", "up_proj"))
+    down = getattr(mlp, "down_proj", None)
+    if not (_is_fused(mlp, _fused_mlp_forward) and stacked is not None and isinstance(down, QuantLinear)
+            and mlp.up_proj.out_features == mlp.gate_proj.out_features):
         return None
-    stacked = gate.stacked
-    if not (isinstance(stacked, QuantLinear) and up.stacked is stacked and gate.start == 0
-            and gate.stop == up.start and up.stop == stacked.out_features == 2 * gate.out_features):
-        return None
-    return None if _hooked((mlp, gate, up, stacked, down)) else (stacked, down)
+    return None if _hooked((mlp, down)) else (stacked, down)
 
 
 def _mlp_output(mlp, x):
@@ -227,7 +368,7 @@ def _llama_sources():
 
     rotary = inspect.unwrap(llama.apply_rotary_pos_emb)
     return {"norm": inspect.getsource(llama.LlamaRMSNorm.forward), "mlp": inspect.getsource(llama.LlamaMLP.forward),
-            "rotary": inspect.getsource(rotary), "model": inspect.getsource(inspect.unwrap(llama.LlamaModel.forward))}
+            "rotary": inspect.getsource(rotary), "rotate_half": inspect.getsource(llama.rotate_half), "model": inspect.getsource(inspect.unwrap(llama.LlamaModel.forward))}
 
 
 @functools.cache
@@ -278,6 +419,23 @@ def _restated_layer(forward):
             or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or p.default is inspect.Parameter.empty
                    for p in named)):
         return None
+    renames = _renames_and_body(tree, depth)
+    if renames is None:
+        return None
+    renames, body = renames
+    args = "".join(f"{p.name}={p.name}, " for p in named)
+    expected = tuple(statement.format(args=args) for statement in _LAYER_STATEMENTS)
+    if body != expected:
+        return None
+    return tuple((p.name, p.default) for p in named), renames
+
+
+def _renames_and_body(tree, depth):
+    """((old, new) keyword renames of its deprecate_kwarg decorators, its statements unparsed, docstring
+    aside) of the function a parsed source holds, when every decorator is such a rename and there are
+    `depth` of them (the wrappers found on the function); else None."""
+    import ast
+
     if not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
         return None
     renames = []
@@ -293,11 +451,7 @@ def _restated_layer(forward):
     body = tree.body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # a docstring
-    args = "".join(f"{p.name}={p.name}, " for p in named)
-    expected = tuple(statement.format(args=args) for statement in _LAYER_STATEMENTS)
-    if tuple(ast.unparse(statement) for statement in body) != expected:
-        return None
-    return tuple((p.name, p.default) for p in named), tuple(renames)
+    return tuple(renames), tuple(ast.unparse(statement) for statement in body)
 
 
 def _same_source(fn, source):

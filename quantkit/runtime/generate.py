@@ -263,10 +263,14 @@ class StaticGreedyDecoder:
         self._kernel_writes_cache = attention == "split"
         if self.split_attention:  # rows share one position
             self._attention_step = decode_attention.DecodeStep(
-                self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device))
+                self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device),
+                layer_cache=self._layer_cache if self._kernel_writes_cache else None)
+
+    def _layer_cache(self, layer_idx):
+        return _static_layer_kv(self.cache, layer_idx) if self._in_step else None
 
     def _update_cache(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kv = _static_layer_kv(self.cache, layer_idx) if self._in_step else None
+        kv = self._layer_cache(layer_idx)
         if kv is None:
             return self._cache_update(key_states, value_states, layer_idx, *args, **kwargs)
         if self.split_attention and self._kernel_writes_cache:  # its attention call writes them (attention_forward)

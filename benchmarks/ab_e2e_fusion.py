@@ -1,11 +1,19 @@
-"""A/B in one process: fused decoder layers with the LUT matvecs' split-K sums finished by the next kernel
-(QuantLinear.accumulate, runtime/fusion.py) against the ordinary calls.
+"""A/B in one process: parts of the decoder-layer fusion (runtime/fusion.py) on and off, Llama-2-7B shapes.
 
-    python benchmarks/ab_e2e_accumulate.py --formats fp16,bcq-q3-g128,bcq-q4-g128 --json out.json
+    python benchmarks/ab_e2e_fusion.py --formats fp16,bcq-q3-g128,bcq-q4-g128 --json out.json
 
-Variants, alternated twice per format on one model: "all" (o_proj, stacked gate/up and down), "mlp"
-(gate/up and down only), "none" (every matvec finishes its own sums). Full fusion, split attention,
-Llama-2-7B shapes (bench_e2e_decode.py); fp16 runs once, as the ratio's base. Prints ms per token.
+Variants (--variants), alternated twice per format on one model, each with full fusion, split attention
+and 128 generated tokens (bench_e2e_decode.py), every format under every variant, so that each variant
+has its own fp16 base:
+- "all": everything fusion.py does.
+- "separate-attention": decode steps call the attention's own forward (the rotary embedding a kernel of
+  its own, q/k/v finished by their matvec); o_proj, gate/up and down still leave their sums to the next
+  kernel (`_restated_attention` off).
+- "no-sums": that, and every matvec finishes its own sums (`_accumulating_projections` and
+  `_returns_o_proj_output` off too).
+- "mlp-sums": only gate/up and down leave their sums (`_restated_attention` and `_returns_o_proj_output`
+  off).
+Prints ms per token.
 """
 
 import argparse
@@ -16,24 +24,32 @@ import torch
 import bench_e2e_decode as bench
 from quantkit.runtime import fusion
 
-VARIANTS = ("all", "none", "mlp")
+OFF = {"_restated_attention": lambda forward: None, "_accumulating_projections": lambda mlp: None,
+       "_returns_o_proj_output": lambda forward: False}
+VARIANTS = {"all": (), "separate-attention": ("_restated_attention",),
+            "no-sums": ("_restated_attention", "_accumulating_projections", "_returns_o_proj_output"),
+            "mlp-sums": ("_restated_attention", "_returns_o_proj_output")}
 
 
 def set_variant(variant, originals):
-    accumulating, returns_o_proj = originals
-    fusion._accumulating_projections = accumulating if variant in ("all", "mlp") else (lambda mlp: None)
-    fusion._returns_o_proj_output = returns_o_proj if variant == "all" else (lambda forward: False)
+    for name, original in originals.items():
+        setattr(fusion, name, OFF[name] if name in VARIANTS[variant] else original)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="fp16,bcq-q3-g128,bcq-q4-g128")
+    ap.add_argument("--variants", default="all,separate-attention")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     run_args = argparse.Namespace(gen=[args.gen], repeats=2, no_graph=False, no_share=True, include_reference=False,
                                   seed=0, layers=32, prompt_len=128)
-    originals = (fusion._accumulating_projections, fusion._returns_o_proj_output)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    originals = {name: getattr(fusion, name) for name in OFF}
     torch.manual_seed(0)
     model = bench.build_model(32)
     dense = bench.decoder_linears(model)
@@ -45,7 +61,7 @@ def main():
         for family in dict.fromkeys(bench.family_of(f) for f in formats):
             modules = list(dense.values()) if family == "fp16" else list(bench.install(model, dense, family, 0).values())
             for fmt in (f for f in formats if bench.family_of(f) == family):
-                for variant in ("all",) if fmt == "fp16" else VARIANTS * 2:
+                for variant in variants * 2:
                     set_variant(variant, originals)
                     fusion.fuse_pointwise(model)
                     before = len(results)
@@ -62,7 +78,7 @@ def main():
     for row in results:
         summary.setdefault((row["format"], row["variant"]), []).append(row["ms_per_token"])
     for (fmt, variant), ms in summary.items():
-        print(f"{fmt:16s} {variant:6s} " + " ".join(f"{m:.4f}" for m in ms))
+        print(f"{fmt:16s} {variant:18s} " + " ".join(f"{m:.4f}" for m in ms))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -9,7 +9,9 @@ has its own fp16 base:
 - "separate-attention": decode steps call the attention's own forward (the rotary embedding a kernel of
   its own, q/k/v finished by their matvec); o_proj, gate/up and down still leave their sums to the next
   kernel (`_restated_attention` off).
-- "no-sums": that, and every matvec finishes its own sums (`_accumulating_projections` and
+- "eager-angles": the rotary embedding's angles computed by transformers' own forward (eight kernels a
+  step instead of one compiled kernel; `_static_rotary` off).
+- "no-sums": "separate-attention", and every matvec finishes its own sums (`_accumulating_projections` and
   `_returns_o_proj_output` off too).
 - "mlp-sums": only gate/up and down leave their sums (`_restated_attention` and `_returns_o_proj_output`
   off).
@@ -25,8 +27,8 @@ import bench_e2e_decode as bench
 from quantkit.runtime import fusion
 
 OFF = {"_restated_attention": lambda forward: None, "_accumulating_projections": lambda mlp: None,
-       "_returns_o_proj_output": lambda forward: False}
-VARIANTS = {"all": (), "separate-attention": ("_restated_attention",),
+       "_returns_o_proj_output": lambda forward: False, "_static_rotary": lambda module: False}
+VARIANTS = {"all": (), "separate-attention": ("_restated_attention",), "eager-angles": ("_static_rotary",),
             "no-sums": ("_restated_attention", "_accumulating_projections", "_returns_o_proj_output"),
             "mlp-sums": ("_restated_attention", "_returns_o_proj_output")}
 

@@ -31,7 +31,7 @@ def test_fused_llama_matches_eager_and_decodes_the_same_tokens():
         want_tokens = StaticGreedyDecoder(model, max_len=24, batch_size=2).generate(ids, 8)
     try:
         counts = fuse_pointwise(model)
-        assert counts == {"rms_norm": 2 * 2 + 1, "mlp": 2, "rotary": 1, "residual_norm": 2}
+        assert counts == {"rms_norm": 2 * 2 + 1, "mlp": 2, "rotary": 1, "rotary_angles": 1, "residual_norm": 2}
         assert modeling_llama.apply_rotary_pos_emb is not original_rotary
         assert fuse_pointwise(model) == counts  # idempotent
         assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT  # room for every layout in a process
@@ -60,7 +60,7 @@ def test_unknown_pieces_are_left_alone():
         unfuse_pointwise(model)
     opt = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32))
-    assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "residual_norm": 0}
+    assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "rotary_angles": 0, "residual_norm": 0}
 
 
 def test_residual_adds_are_normed_in_the_kernel_that_adds_them(monkeypatch):
@@ -408,3 +408,30 @@ def test_the_restated_attention_is_llamas():
             return attn_output, attn_weights
 
     assert _restated_attention(Scaled.forward) is None
+
+
+def test_rotary_angles_are_restated_for_static_rope_types_only():
+    from transformers.models.llama import modeling_llama
+
+    from quantkit.runtime.fusion import _restates_rotary
+
+    assert _restates_rotary(modeling_llama.LlamaRotaryEmbedding.forward)
+    model = _tiny_llama()
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float16)
+    positions = torch.tensor([[0, 1, 7, 63], [5, 6, 8, 9]])
+    want = rotary(x, positions)
+    try:
+        assert fuse_pointwise(model)["rotary_angles"] == 1 and "forward" in vars(rotary)
+        got = rotary(x, positions)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == torch.float16 and g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
+    finally:
+        unfuse_pointwise(model)
+    assert "forward" not in vars(rotary)
+    rotary.rope_type = "dynamic"  # frequencies that the decorator updates: left alone
+    try:
+        assert fuse_pointwise(model)["rotary_angles"] == 0
+    finally:
+        unfuse_pointwise(model)

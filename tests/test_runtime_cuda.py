@@ -283,7 +283,7 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     plain = decoder.generate(prompt, STEPS)
     stacking = None
     try:
-        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1, "residual_norm": 2}
+        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1, "rotary_angles": 1, "residual_norm": 2}
         if stack:
             stacking = fuse_projections(model)
             assert stacking.count == 4
@@ -304,6 +304,17 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * (config.hidden_size // config.num_attention_heads)
     want = {config.hidden_size} | ({2 * config.intermediate_size, qkv} if stack else set())  # o_proj, down | gate/up, q/k/v
     assert served == (set() if name == "anyprec" else want), served
+
+
+def test_the_compiled_greedy_pick_is_argmax():
+    from quantkit.runtime.generate import _compiled_pick
+
+    logits = torch.randn(3, 32000, device="cuda").half()
+    logits[1, [5, 17, 31000]] = 30.0  # equal maxima: the first one, as torch.argmax
+    logits[2] = -1.0
+    picked = _compiled_pick()(logits)
+    assert picked.shape == (3, 1) and torch.equal(picked, logits.argmax(dim=-1, keepdim=True))
+    assert picked[1, 0] == 5 and picked[2, 0] == 0
 
 
 def test_graph_recaptured_after_set_bits(artifact):

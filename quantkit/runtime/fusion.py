@@ -1,26 +1,28 @@
-"""Fewer kernels between the linears of a decode step: torch.compile of the pointwise parts.
+"""Fewer kernels between the linears of a decode step: torch.compile of the pointwise parts, and more.
 
 At batch 1 a decode step of a Llama-style decoder launches about 40 kernels per layer and only 7 of them
-are linears: RMSNorm alone is 7 (cast, square, mean, add, rsqrt, two multiplies), the rotary embedding 10,
-SiLU·mul 2. Even replayed from a CUDA graph each costs a few µs, which on an H100 adds up to ~2.5 ms of an
-8 ms fp16 Llama-2-7B step, the same for every weight format: the part of the step quantized linears cannot
-speed up. `fuse_pointwise(model)` compiles those three pieces with torch.compile (one fused kernel each),
-and each residual add with the RMSNorm that follows it (the decoder layer's post-attention norm, and the
-next layer's input norm or the final norm after the MLP): one kernel returns both the sum and its norm.
-Linears, attention and cache writes stay as they are, so float and quantized models get the same fusion
-and their speed ratio stays a statement about the linears. One exception belongs to the linears: in a
-fused layer, a matvec on the LUT kernels whose consumer is known stops at its fp32 split-K sums
-(QuantLinear.accumulate) and that consumer finishes them, saving the matvec its own tile-completion step:
-the stacked gate/up's sums go to the SiLU·mul, down's and the attention's o_proj's to the add + norm after
-them (`_mlp_output`, `_attention_output`).
+are linears: RMSNorm alone is 7 (cast, square, mean, add, rsqrt, two multiplies), the rotary embedding
+10 (and 8 more per step for its angles), SiLU·mul 2. Even replayed from a CUDA graph each costs a few µs,
+which on an H100 adds up to ~2.5 ms of an 8 ms fp16 Llama-2-7B step, the same for every weight format: the
+part of the step quantized linears cannot speed up. `fuse_pointwise(model)` compiles those pieces with
+torch.compile (one fused kernel each), and each residual add with the RMSNorm that follows it (the decoder
+layer's post-attention norm, and the next layer's input norm or the final norm after the MLP): one kernel
+returns both the sum and its norm. In the decode steps of StaticGreedyDecoder's split attention, a fused
+layer restates the attention (`_decode_step_attention`): decode_attention's kernel rotates q and k itself.
+Linears stay as they are, so float and quantized models get the same fusion and their speed ratio stays a
+statement about the linears. One exception belongs to the linears: in a fused layer, a matvec on the LUT
+kernels whose consumer is known stops at its fp32 split-K sums (QuantLinear.accumulate) and that consumer
+finishes them, saving the matvec its own tile-completion step: the stacked q/k/v's go to the attention
+kernel, the stacked gate/up's to the SiLU·mul, down's and o_proj's to the add + norm after them.
 
-Only pieces whose code is known are touched: an RMSNorm / MLP / decoder-layer forward or rotary function
-is replaced when its source equals transformers' Llama one (other architectures copy it verbatim:
-Mistral, Qwen2, ...), the MLP only with a SiLU activation, and the decoder layer only when its body is
-the one `_fused_layer_forward` restates (checked statement by statement). The fused functions compute the
-same expressions; inductor keeps intermediates in fp32 where eager rounds each op to the input dtype, so
-fp16 outputs can differ in the last bit. The rotary function is replaced in the model's modeling module, i.e. for every model of that
-architecture in the process (it is the same function, compiled).
+Only pieces whose code is known are touched: an RMSNorm / MLP / rotary embedding / decoder-layer /
+attention forward or rotary function is replaced when its source equals transformers' Llama one (other
+architectures copy it verbatim: Mistral, Qwen2, ...), the MLP only with a SiLU activation, and the decoder
+layer, attention and rotary angles only when their bodies are the ones restated here (checked statement by
+statement). The fused functions compute the same expressions; inductor keeps intermediates in fp32 where
+eager rounds each op to the input dtype, so fp16 outputs can differ in the last bit. The rotary function is
+replaced in the model's modeling module, i.e. for every model of that architecture in the process (it is
+the same function, compiled).
 """
 
 import functools
@@ -461,10 +463,78 @@ def _same_source(fn, source):
         return False
 
 
+# LlamaRotaryEmbedding.forward's statements (transformers 5.17-5.23's matmul form and 5.24's product
+# form: with one position per column both compute each angle as one fp32 product), which
+# _fused_rotary_forward restates in one compiled kernel instead of eight
+_ROTARY_FORWARDS = (
+    """
+inv_freq_expanded = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(dtype=torch.float, device=x.device)
+position_ids_expanded = position_ids[:, None, :].float()
+device_type = x.device.type if isinstance(x.device.type, str) and x.device.type != 'mps' else 'cpu'
+with maybe_autocast(device_type=device_type, enabled=False):
+    freqs = (inv_freq_expanded @ position_ids_expanded).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * self.attention_scaling
+    sin = emb.sin() * self.attention_scaling
+return (cos.to(dtype=x.dtype), sin.to(dtype=x.dtype))
+""",
+    """
+freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+emb = torch.cat((freqs, freqs), dim=-1)
+cos = emb.cos() * self.attention_scaling
+sin = emb.sin() * self.attention_scaling
+return (cos.to(dtype=x.dtype), sin.to(dtype=x.dtype))
+""")
+
+
+def _rotary_angles(inv_freq, position_ids, scaling, dtype):
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _fused_rotary_forward(self, x, position_ids):
+    with torch.no_grad():
+        return _compiled(_rotary_angles)(self.inv_freq.to(x.device), position_ids, self.attention_scaling, x.dtype)
+
+
+@functools.cache  # per class forward
+def _restates_rotary(forward):
+    """Whether a rotary embedding's forward is one of _ROTARY_FORWARDS, decorated by nothing but
+    torch.no_grad and transformers' dynamic_rope_update (which changes nothing for static rope types)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    if not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
+        return False
+    function = tree.body[0]
+    if any(ast.unparse(d) not in ("torch.no_grad()", "dynamic_rope_update") for d in function.decorator_list):
+        return False
+    body = function.body[1:] if isinstance(function.body[0], ast.Expr) else function.body  # a docstring
+    found = tuple(ast.unparse(statement) for statement in body)
+    return any(found == tuple(ast.unparse(st) for st in ast.parse(known).body) for known in _ROTARY_FORWARDS)
+
+
+def _static_rotary(module):
+    """Whether a rotary embedding module computes its angles the restated way: a known forward, and a
+    rope type whose frequencies never change (not dynamic, not longrope: dynamic_rope_update updates those)."""
+    rope_type = getattr(module, "rope_type", None)
+    return (isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+            and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+            and isinstance(getattr(module, "attention_scaling", None), (int, float))
+            and _restates_rotary(type(module).forward))
+
+
 def fuse_pointwise(model):
-    """Compile the RMSNorms, SiLU·mul MLP activations, rotary embedding and residual adds (with the norm
-    after each) of `model` in place (see the module docstring); returns {"rms_norm": n, "mlp": n,
-    "rotary": n, "residual_norm": n} modules/functions replaced (residual_norm: decoder layers).
+    """Compile the RMSNorms, SiLU·mul MLP activations, rotary embedding (its angles, and its application
+    to q/k) and residual adds (with the norm after each) of `model` in place (see the module docstring);
+    returns {"rms_norm": n, "mlp": n, "rotary": n, "rotary_angles": n, "residual_norm": n}
+    modules/functions replaced (rotary: apply_rotary_pos_emb functions; rotary_angles: rotary embedding
+    modules; residual_norm: decoder layers).
     Idempotent; unfuse_pointwise undoes it. Raises torch._dynamo's process-wide recompile limit to at least
     RECOMPILE_LIMIT. Raises QuantkitError when torch.compile is unusable here (probed on a tiny input)."""
     sources = _llama_sources()
@@ -477,7 +547,7 @@ def fuse_pointwise(model):
         _compiled(_silu_mul)(probe, probe)
     except Exception as exc:
         raise QuantkitError(f"torch.compile is not usable on {device}: {type(exc).__name__}: {exc}") from exc
-    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0, "residual_norm": 0}
+    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0, "rotary_angles": 0, "residual_norm": 0}
     modeling_modules = set()
     for module in model.modules():
         cls = type(module)
@@ -488,6 +558,9 @@ def fuse_pointwise(model):
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")):
             module.forward = types.MethodType(_fused_mlp_forward, module)
             counts["mlp"] += 1
+        elif cls.__name__.endswith("RotaryEmbedding") and _static_rotary(module):
+            module.forward = types.MethodType(_fused_rotary_forward, module)
+            counts["rotary_angles"] += 1
         elif hasattr(module, "q_proj"):
             modeling_modules.add(sys.modules[cls.__module__])
     for module in model.modules():  # after the norms: a layer is fused only when its norms are
@@ -538,7 +611,8 @@ def _link_following_norms(model, model_src):
 def unfuse_pointwise(model):
     """Undo fuse_pointwise: the classes' own forwards and the original rotary function again."""
     for module in model.modules():
-        if getattr(module.forward, "__func__", None) in (_fused_rms_forward, _fused_mlp_forward, _fused_layer_forward):
+        if getattr(module.forward, "__func__", None) in (_fused_rms_forward, _fused_mlp_forward, _fused_layer_forward,
+                                                          _fused_rotary_forward):
             del module.forward
         for name in ("_quantkit_next_norm", "_quantkit_pending", "_quantkit_accumulating"):
             module.__dict__.pop(name, None)

@@ -222,8 +222,8 @@ def _decode_step_attention(attn, x, kwargs):
     """One decode step's attention as transformers' Llama forward computes it (`_restated_attention`), with
     the rotary embedding done inside decode_attention's kernel, which also writes the step's key and value
     into the cache; where q/k/v are slices of one stacked QuantLinear on the LUT kernels, their matvec
-    stops at its fp32 sums (QuantLinear.accumulate) and that kernel finishes and clears them too. Two
-    kernels fewer per layer. Serves the steps of StaticGreedyDecoder that hand the key and value to the
+    stops at its fp32 sums (QuantLinear.accumulate) and that kernel finishes and clears them too: the
+    rotary kernel and the matvec's tile completion fewer per layer. Serves the steps of StaticGreedyDecoder that hand the key and value to the
     attention call (their DecodeStep has `layer_cache`), the attention function being decode_attention's;
     returns what _attention_output does, or None where it does not serve (the forward runs as usual)."""
     step = kwargs.get(decode_attention.STEP_KWARG)
@@ -514,7 +514,9 @@ def _restates_rotary(forward):
     function = tree.body[0]
     if any(ast.unparse(d) not in ("torch.no_grad()", "dynamic_rope_update") for d in function.decorator_list):
         return False
-    body = function.body[1:] if isinstance(function.body[0], ast.Expr) else function.body  # a docstring
+    body = function.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # a docstring
     found = tuple(ast.unparse(statement) for statement in body)
     return any(found == tuple(ast.unparse(st) for st in ast.parse(known).body) for known in _ROTARY_FORWARDS)
 

@@ -19,9 +19,9 @@ only (prefill apart), tokens/s = 1000 / (ms/token); e2e tokens/s also counts the
 graph's first tokens equal eager decoding's. Share of the linears: 1 - (the same graph step with the 224
 decoder linears answering from a preallocated buffer, no kernel) / (the real step); the part outside
 them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
-RMSNorms, the rotary embedding and SiLU*mul into one kernel each and adds each residual in the kernel of
-the norm after it; "full" also stacks q/k/v and gate/up into one linear each (one launch over the
-stacked rows). Attention "split" (the default) attends in decode
+RMSNorms, the rotary embedding and SiLU*mul into one kernel each, adds each residual in the kernel of
+the norm after it, and with split attention rotates q/k inside the attention kernel; "full" also stacks
+q/k/v and gate/up into one linear each (one launch over the stacked rows). Attention "split" (the default) attends in decode
 steps with runtime.decode_attention (the cache split over many programs, positions past the current one
 not read; the kernel also writes the step's key and value into the cache), "split-separate-write" the
 same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache.

@@ -267,8 +267,8 @@ def test_generate_static_decodes_through_a_cuda_graph(artifact):
 @pytest.mark.parametrize("stack", [False, True], ids=["pointwise", "full"])
 def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     """runtime.fusion around the kernels (compiled pointwise parts; with stack, q/k/v and gate/up as one
-    kernel launch each, and for the LUT kernels the MLP's matvecs leaving their sums to the next kernel),
-    in a captured graph: the unfused decode's tokens up to a near-tie."""
+    kernel launch each; for the LUT kernels, matvecs leaving their sums to the next kernel: o_proj, and when
+    stacked q/k/v, gate/up and down), in a captured graph: the unfused decode's tokens up to a near-tie."""
     from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
 
     accumulated = []

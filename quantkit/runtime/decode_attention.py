@@ -151,7 +151,7 @@ def _kernel(triton, tl):
         v = tl.load(v_ptr + b * v_sb + kv_head * v_sh + n[:, None] * v_sn + d[None, :], mask=live[:, None], other=0.0)
         swap = (d + D // 2) % D  # rotate_half: element d pairs with d ± D/2, negated in the first half
         sign = tl.where(d < D // 2, -1.0, 1.0)
-        cos = sign
+        cos = sign  # placeholders without ROPE (Triton wants the names bound on every path)
         sin = sign
         if ROPE:
             cos = tl.load(cos_ptr + b * cs_sb + d).to(tl.float32)

@@ -251,14 +251,18 @@ def _decode_step_attention(attn, x, kwargs):
         return None
     keys, values = layer_kv
     names = ("q_proj", "k_proj", "v_proj")
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+
+    def per_head(stacked_output):  # q, k, v [B, heads, T, D] from the stacked projection's rows
+        return tuple(stacked_output[..., s.start : s.stop].view(shape).transpose(1, 2)
+                     for s in (getattr(attn, name) for name in names))
+
     stacked = _stacked_quantized(attn, names)
     sums = None if stacked is None else stacked.accumulate(x)
-    if sums is None:
-        q, k, v = (getattr(attn, name)(x) for name in names)  # the module calls, in the forward's order
+    if sums is None:  # the module calls, in the forward's order
+        q, k, v = (getattr(attn, name)(x).view(shape).transpose(1, 2) for name in names)
     else:
-        q, k, v = (sums[..., getattr(attn, name).start : getattr(attn, name).stop] for name in names)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        q, k, v = per_head(sums)
     cos, sin = position_embeddings
     consume = sums is not None
     if (decode_attention.supported(q, keys, values, consume=consume)
@@ -267,9 +271,7 @@ def _decode_step_attention(attn, x, kwargs):
                                       new_kv=(k, v), rope=(cos, sin), consume=consume)
     else:  # the forward's own steps; the attention function writes the key and value (pending) or runs SDPA
         if consume:
-            finished = QuantLinear.finish(sums, x.dtype)
-            q, k, v = (finished[..., getattr(attn, name).start : getattr(attn, name).stop].view(shape).transpose(1, 2)
-                       for name in names)
+            q, k, v = per_head(QuantLinear.finish(sums, x.dtype))
         q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
         step.pending[attn.layer_idx] = (k, v)
         out, _ = decode_attention.attention_forward(attn, q, keys, values, attention_mask, dropout=0.0,

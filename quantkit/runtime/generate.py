@@ -253,8 +253,8 @@ class StaticGreedyDecoder:
         self.kv_index = torch.arange(max_len, device=self.device)
         self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device),
                              torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
-        # the greedy pick, compiled where Triton is (one split reduction: 3 µs instead of ATen's 11 for a
-        # 32000-entry row on an H100)
+        # the greedy pick, compiled where Triton is (inductor's reduction: 7.5 µs against ATen's 10.6-11 for
+        # a 32000-entry row on an H100)
         self._pick = _compiled_pick() if self.device.type == "cuda" and decode_attention.available() else _pick
         self.graph = None
         self.filled = 0  # cache positions written by prefill and steps (host-side bookkeeping only)

@@ -15,22 +15,26 @@ has its own fp16 base:
   `_returns_o_proj_output` off too).
 - "mlp-sums": only gate/up and down leave their sums (`_restated_attention` and `_returns_o_proj_output`
   off).
+- "no-overlap": everything, but every kernel launched without programmatic dependent launch
+  (kernels/overlap.py disabled while the step's graph is captured).
 Prints ms per token.
 """
 
 import argparse
+import contextlib
 import json
 
 import torch
 
 import bench_e2e_decode as bench
+from quantkit.kernels import overlap
 from quantkit.runtime import fusion
 
 OFF = {"_restated_attention": lambda forward: None, "_accumulating_projections": lambda mlp: None,
        "_returns_o_proj_output": lambda forward: False, "_static_rotary": lambda module: False}
 VARIANTS = {"all": (), "separate-attention": ("_restated_attention",), "eager-angles": ("_static_rotary",),
             "no-sums": ("_restated_attention", "_accumulating_projections", "_returns_o_proj_output"),
-            "mlp-sums": ("_restated_attention", "_returns_o_proj_output")}
+            "mlp-sums": ("_restated_attention", "_returns_o_proj_output"), "no-overlap": ()}
 
 
 def set_variant(variant, originals):
@@ -67,7 +71,8 @@ def main():
                     set_variant(variant, originals)
                     fusion.fuse_pointwise(model)
                     before = len(results)
-                    bench.run_format(fmt, "full", "split", model, modules, prompt, run_args, results)
+                    with overlap.disabled() if variant == "no-overlap" else contextlib.nullcontext():
+                        bench.run_format(fmt, "full", "split", model, modules, prompt, run_args, results)
                     fusion.unfuse_pointwise(model)
                     for row in results[before:]:
                         row["variant"] = variant

@@ -407,6 +407,46 @@ def test_cuda_graph_capture_replays_the_kernel(ext):
     assert _rel_err(out, _reference(qt, x, 3)) < REL_TOL
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_overlapped_chain_waits_for_its_input(ext, batch):
+    """With overlap (kernels/overlap.py) a matvec starts before the previous kernel ends and must wait
+    for it before reading x: a chain of matvecs at k = 3, 4, 8, each on the previous one's output, in a
+    CUDA graph with every output poisoned before each replay; each link matches the reference on the
+    input it got, and the chain equals the one launched without overlap bit for bit."""
+    cols = 1024
+    links = [(_artifact(cols, cols, 3, 8, seed=20 + bits, device="cuda"), bits) for bits in (3, 4, 8)]
+    planes = [ag.kernel_layout(qt.planes) for qt, _ in links]
+    x = torch.randn(batch, cols, device="cuda").half()
+    outs = {flag: [torch.empty(batch, cols, dtype=torch.float16, device="cuda") for _ in links] for flag in (False, True)}
+
+    def chain(flag):
+        inp = x
+        for (qt, bits), p, out in zip(links, planes, outs[flag]):
+            ag.matvec(inp, p, qt.luts[bits], bits, cols // 32, out=out, ext=ext, overlapped=flag)
+            inp = out
+
+    graphs = {}
+    for flag in (False, True):
+        chain(flag)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graphs[flag] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[flag]):
+            chain(flag)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for flag in (False, True):
+            for out in outs[flag]:
+                out.fill_(float("nan"))
+            graphs[flag].replay()
+        torch.cuda.synchronize()
+        inp = x
+        for (qt, bits), out in zip(links, outs[True]):
+            assert _rel_err(out, _reference(qt, inp, bits)) < REL_TOL
+            inp = out
+        for plain, overlapped in zip(outs[False], outs[True]):
+            assert torch.equal(plain, overlapped)
+
+
 def test_bad_arguments_are_refused_with_the_shapes(ext):
     qt = _artifact(32, 128, 3, 4, device="cuda")
     planes = ag.kernel_layout(qt.planes)

@@ -69,9 +69,11 @@ class FakeOps:
     def workspace_floats(n, k):
         return n * k + 16
 
-    def lut_gemm(self, x, qweight, alpha, offset, bias, group_size, out, mma_min_batch=9, workspace=None):
+    def lut_gemm(self, x, qweight, alpha, offset, bias, group_size, out, mma_min_batch=9, workspace=None, blocks=0,
+                 overlap=False):
         assert x.dtype == torch.float16 and x.is_contiguous() and out.dtype == torch.float16
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
+        assert overlap == lutgemm.overlap.enabled()
         if workspace is not None:
             assert workspace.dtype == torch.float32 and workspace.numel() >= self.workspace_floats(x.shape[0], out.shape[1])
             assert not workspace.any(), "the workspace must be zero on entry"
@@ -79,9 +81,10 @@ class FakeOps:
         y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1]), bias)
         out.copy_(y.to(torch.float16))
 
-    def lut_accumulate(self, x, qweight, alpha, offset, group_size, acc, mma_min_batch=9):
+    def lut_accumulate(self, x, qweight, alpha, offset, group_size, acc, mma_min_batch=9, blocks=0, overlap=False):
         assert x.dtype == torch.float16 and x.is_contiguous() and acc.dtype == torch.float32
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
+        assert overlap == lutgemm.overlap.enabled()
         k = qweight.shape[2]
         self.calls.append(("lut_accumulate", x.shape[0]))
         sums = acc[: x.shape[0] * k].view(x.shape[0], k)
@@ -534,6 +537,49 @@ def test_cuda_graph_capture(ops, mma_min_batch):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(x, qt)) < TOL
+
+
+@gpu
+@KERNELS
+@pytest.mark.parametrize("n", [1, 8])
+def test_overlapped_chain_waits_for_its_input(ops, n, mma_min_batch):
+    """Launched with overlap (kernels/overlap.py), a kernel starts before the previous one ends and must
+    wait for it before reading x: a chain of matvecs, each on the previous one's output, in a CUDA graph
+    with every output poisoned before each replay. Each link equals the reference on the input it got,
+    and the chain ends where the same chain launched without overlap does (not bit for bit: the split-K
+    atomics add in a different order from run to run)."""
+    d = 2048  # α as make_bcq draws them keep the activations' size from link to link at this width
+    links = [make_bcq(d, d, q, 128, offset=q == 3, seed=10 + i, device="cuda") for i, q in enumerate((2, 3, 4, 3))]
+    x = torch.randn(n, d, device="cuda").half()
+    outs = {flag: [torch.empty(n, d, dtype=torch.float16, device="cuda") for _ in links] for flag in (False, True)}
+    workspaces = [torch.zeros(ops.workspace_floats(n, d), dtype=torch.float32, device="cuda") for _ in links]
+
+    def chain(flag):
+        inp = x
+        for qt, out, ws in zip(links, outs[flag], workspaces):
+            ops.lut_gemm(inp, qt.qweight, qt.alpha, qt.offset, None, 128, out, mma_min_batch, ws, overlap=flag)
+            inp = out
+
+    graphs = {}
+    for flag in (False, True):
+        chain(flag)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graphs[flag] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[flag]):
+            chain(flag)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for flag in (False, True):
+            for out in outs[flag]:
+                out.fill_(float("nan"))
+            graphs[flag].replay()
+        torch.cuda.synchronize()
+        inp = x
+        for qt, out in zip(links, outs[True]):
+            assert rel_err(out, reference(inp, qt)) < TOL
+            inp = out
+        assert rel_err(outs[True][-1], outs[False][-1].double()) < TOL
+        assert not any(ws.any() for ws in workspaces)
 
 
 @gpu

@@ -306,6 +306,35 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     assert served == (set() if name == "anyprec" else want), served
 
 
+@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
+def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact):
+    """The fused decode step captured with overlap (kernels/overlap.py: the matvec and Triton kernels
+    scheduled before the kernel they depend on ends) decodes as the one captured without."""
+    from quantkit.kernels import overlap
+    from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
+
+    model = quantkit.load(artifact(name), device="cuda", bits=bits)
+    _require_kernel(model, tokens=1)
+    if not overlap.for_device("cuda"):
+        pytest.skip("overlap needs compute capability 9.0+")
+    prompt = _prompts(model.config.vocab_size, batch=1)
+    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
+    fuse_pointwise(model)
+    stacking = fuse_projections(model)
+    try:
+        with overlap.disabled():
+            decoder.capture()
+        plain = decoder.generate(prompt, STEPS)
+        decoder.capture()
+        overlapped = decoder.generate(prompt, STEPS)
+        again = decoder.generate(prompt, STEPS)
+    finally:
+        unfuse_pointwise(model)
+        stacking.undo()
+    _assert_same_until_near_tie(model, prompt, plain, overlapped, "overlapped vs plain launches")
+    _assert_same_until_near_tie(model, prompt, overlapped, again, "overlapped graph replayed twice")
+
+
 def test_the_compiled_greedy_pick_is_argmax():
     from quantkit.runtime.generate import _compiled_pick
 

@@ -20,7 +20,7 @@ Functions here take plain tensors so tests and benchmarks can call each variant 
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import build
+from quantkit.kernels import build, overlap
 from quantkit.kernels.dispatch import register
 
 FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
@@ -100,11 +100,13 @@ def choose_tiles(bits, rows_out, batch, device, ext):
     return 1
 
 
-def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None):
+def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None,
+           overlapped=None):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
     planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
     must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
+    overlapped: launch with overlap (kernels/overlap.py); None = as overlap.enabled() says.
     """
     ext = ext or build.load("anyprec")
     rows, cols = x2.shape
@@ -115,9 +117,11 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=No
         out = torch.empty(rows, lut.shape[0], dtype=x2.dtype, device=x2.device)
     if tiles is None:
         tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
+    if overlapped is None:
+        overlapped = overlap.enabled()
     for start in range(0, rows, MAX_BATCH):
         ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
-                   out[start:start + MAX_BATCH], flags, tiles)
+                   out[start:start + MAX_BATCH], flags, tiles, overlapped)
     return out
 
 

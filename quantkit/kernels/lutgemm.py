@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from quantkit.formats.bcq import bcq_from_uniform
 from quantkit.formats.uniform import num_groups
-from quantkit.kernels import build
+from quantkit.kernels import build, overlap
 from quantkit.kernels.dispatch import register
 
 # Largest token count served by the LUT kernel, measured (benchmarks/bench_lutgemm.py "crossover",
@@ -102,7 +102,7 @@ def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, worksp
     if bias is not None:
         bias = bias.to(torch.float16).contiguous()
     ops.lut_gemm(x, t.qweight, t.alpha, t.offset, bias, t.group_size, out,
-                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace)
+                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace, overlap=overlap.enabled())
     return out
 
 
@@ -189,7 +189,7 @@ def accumulate_into_workspace(module, x, t: BCQTensors, ops):
     if ws is None:
         return None
     ops.lut_accumulate(x2.to(torch.float16).contiguous(), t.qweight, t.alpha, t.offset, t.group_size, ws,
-                       MMA_MIN_BATCH)
+                       MMA_MIN_BATCH, overlap=overlap.enabled())
     return ws[: tokens * k].view(*x.shape[:-1], k)
 
 

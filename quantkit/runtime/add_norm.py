@@ -13,6 +13,7 @@ kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it
 
 import torch
 
+from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
@@ -24,7 +25,11 @@ def _kernel(triton, tl):
 
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
-                            res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr):
+                            res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
+                            GDC: tl.constexpr):
+        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
@@ -74,7 +79,8 @@ def add_rms_norm(residual, delta, weight, eps, consume=False):
     if rows:
         block = 1 << (width - 1).bit_length()
         _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
-                           BLOCK=block, CONSUME=consume, num_warps=8 if block >= 4096 else 4)
+                           BLOCK=block, CONSUME=consume, num_warps=8 if block >= 4096 else 4,
+                           **overlap.triton_launch(residual.device))
     return hidden, normed
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel
 
 ATTENTION_NAME = "quantkit_static_decode"
@@ -135,7 +136,10 @@ def _kernel(triton, tl):
                       vn_sh, cs_sb, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                       SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr,
-                      ROPE: tl.constexpr, CONSUME: tl.constexpr):
+                      ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -301,7 +305,7 @@ def decode(query, keys, values, position, scale, head_counters=None, new_kv=None
         v_new.stride(0), v_new.stride(1), cos.stride(0), scale * log2e, length,
         H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
         SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None,
-        ROPE=rope is not None, CONSUME=consume, num_warps=num_warps)
+        ROPE=rope is not None, CONSUME=consume, num_warps=num_warps, **overlap.triton_launch(query.device))
     return out
 
 

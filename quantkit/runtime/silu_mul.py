@@ -9,6 +9,7 @@ to the dtype before the product), and writes zeros back so the workspace is read
 
 import torch
 
+from quantkit.kernels import overlap
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.runtime.triton_kernel import lazy_kernel
 
@@ -20,7 +21,10 @@ def _kernel(triton, tl):
     """The kernel, compiled by Triton on first launch."""
 
     @triton.jit
-    def silu_mul_kernel(acc_ptr, out_ptr, width, acc_stride, BLOCK: tl.constexpr):
+    def silu_mul_kernel(acc_ptr, out_ptr, width, acc_stride, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < width
@@ -56,7 +60,7 @@ def silu_mul_consuming(acc, dtype):
     out = torch.empty(*acc.shape[:-1], width, dtype=dtype, device=acc.device)
     if rows.shape[0] and width:
         grid = (rows.shape[0], -(-width // BLOCK))
-        _kernel()[grid](rows, out, width, rows.stride(0), BLOCK=BLOCK, num_warps=4)
+        _kernel()[grid](rows, out, width, rows.stride(0), BLOCK=BLOCK, num_warps=4, **overlap.triton_launch(acc.device))
     return out
 
 

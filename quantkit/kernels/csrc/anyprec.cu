@@ -76,6 +76,7 @@
 #include <string>
 
 #include "cp_async.h"
+#include "grid_dependency.h"
 #include "kernel_attrs.h"
 #endif
 
@@ -604,6 +605,7 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
   using C = Config<K, TILES, FLAGS>;
   constexpr int P = C::PIECES, S = C::STAGES, ITEMS = C::ITEMS;
   extern __shared__ __align__(16) unsigned char smem[];
+  qk::allow_next_grid();  // the next kernel is scheduled only once every block has started: the last wave
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16 * TILES;
   const int M = args.M, W = args.W;
@@ -677,6 +679,7 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
     }
   }
   __syncthreads();
+  qk::wait_prior_grid();  // planes and tables are the weights; x and out belong to earlier kernels
 
   const T* x = static_cast<const T*>(args.x);
   const T* xrow = g < args.B ? x + size_t(g) * args.ldx : nullptr;
@@ -788,8 +791,14 @@ bool has_matvec(int dtype, int k, int tiles, int flags) {
   return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
+// Where a matvec launches: the stream, and whether with overlap (grid_dependency.h).
+struct Launch {
+  cudaStream_t stream;
+  bool overlap;
+};
+
 template <typename T, int K, int TILES, int FLAGS>
-int launch_instance(const MatvecArgs& a, cudaStream_t stream) {
+int launch_instance(const MatvecArgs& a, const Launch& on) {
   if constexpr (!compiled_rule(std::is_same<T, __half>::value, K, TILES, FLAGS)) {
     return kUnsupported;
   } else {
@@ -799,13 +808,13 @@ int launch_instance(const MatvecArgs& a, cudaStream_t stream) {
     const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
     if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
-    kernel<<<blocks, kThreads, C::SMEM_BYTES, stream>>>(a);
-    return kOk;
+    return qk::launch_kernel(kernel, blocks, kThreads, C::SMEM_BYTES, on.stream, on.overlap, a) == cudaSuccess
+               ? kOk : kLaunchFailed;
   }
 }
 
 template <typename T, int TILES, int FLAGS>
-int launch_k(int k, const MatvecArgs& a, cudaStream_t s) {
+int launch_k(int k, const MatvecArgs& a, const Launch& s) {
   switch (k) {
     case 1: return launch_instance<T, 1, TILES, FLAGS>(a, s);
     case 2: return launch_instance<T, 2, TILES, FLAGS>(a, s);
@@ -820,7 +829,7 @@ int launch_k(int k, const MatvecArgs& a, cudaStream_t s) {
 }
 
 template <typename T, int TILES>
-int launch_flags(int k, int flags, const MatvecArgs& a, cudaStream_t s) {
+int launch_flags(int k, int flags, const MatvecArgs& a, const Launch& s) {
   switch (flags) {
     case 0: return launch_k<T, TILES, 0>(k, a, s);
     case 3: return launch_k<T, TILES, 3>(k, a, s);
@@ -833,7 +842,7 @@ int launch_flags(int k, int flags, const MatvecArgs& a, cudaStream_t s) {
 }
 
 // dtype: 0 = fp16, 1 = bf16
-int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, cudaStream_t stream) {
+int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, const Launch& stream) {
   MatvecArgs a = args;
   for (int i = 0; i < 32; ++i) a.pow2.v[i] = 1u << i;
   if (a.B < 1 || a.B > kMaxBatch || a.M < 1 || a.W < 1 || a.wstride < a.W || a.wstride % 4 != 0 || a.ldx < 32 * a.W)
@@ -879,7 +888,7 @@ std::string status_text(int rc) {
   switch (rc) {
     case anyprec::kUnsupported: return "no compiled instance for this configuration";
     case anyprec::kBadArgs: return "arguments rejected by the launcher";
-    case anyprec::kLaunchFailed: return "could not raise the kernel's shared-memory limit";
+    case anyprec::kLaunchFailed: return "could not raise the kernel's shared-memory limit, or the launch failed";
     default: return "status " + std::to_string(rc);
   }
 }
@@ -904,10 +913,11 @@ void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, in
 
 // out[b, r] = sum_c x[b, c] * lut[r, code_k(r, c)] (+ bias[r]); x [B <= 8, ldx] holds at least
 // 32 * words columns, zero past in_features; planes in the layout `flags` says (LAYOUT bit set:
-// anyprec_gemm.kernel_layout). Returns out.
+// anyprec_gemm.kernel_layout). overlap: programmatic dependent launch on sm_90+ (grid_dependency.h).
+// Returns out.
 at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& lut, int64_t k,
                           int64_t words, const std::optional<at::Tensor>& bias, const at::Tensor& out, int64_t flags,
-                          int64_t tiles) {
+                          int64_t tiles, bool overlap) {
   check_planes(planes, lut, k, words);
   const int dt = dtype_code(x);
   QK_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
@@ -947,7 +957,8 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),
                         int(M), int(words), int(planes.size(2)), reinterpret_cast<const uint16_t*>(lut.data_ptr()),
                         bias_ptr, out.data_ptr(), {}};
-  const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, c10::cuda::getCurrentCUDAStream());
+  const anyprec::Launch on{c10::cuda::getCurrentCUDAStream(), overlap && qk::overlap_supported(x.device().index())};
+  const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, on);
   QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc), ") for x ", x.sizes(), ", planes ", planes.sizes(),
               ", bits=", k, ", words=", words, ", tiles=", tiles, ", flags=", flags);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -109,6 +109,7 @@ inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fe
 #define QK_HOST_EMU
 #endif
 #include "cp_async.h"
+#include "grid_dependency.h"
 
 namespace lutgemm {
 
@@ -517,6 +518,7 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
   __shared__ float tsum[NT * BP];
   __shared__ int s_last;
 
+  qk::allow_next_grid();  // one wave of blocks: all are running, the next kernel may be scheduled
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
@@ -560,6 +562,7 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
     }
     commit_async();
   }
+  qk::wait_prior_grid();  // the weights are on their way; x and the workspace belong to earlier kernels
   load_x<BP>(p, cur.c, lane, xh);
 
   for (int slot = 0; remaining > 0; slot = slot + 1 == S ? 0 : slot + 1) {
@@ -773,36 +776,39 @@ __device__ __forceinline__ uint32_t scale_half2(uint32_t bits, int kk) {
 #endif
 }
 
-// Start copying unit (rt, c) for this lane into a ring stage: its x fragment (batch row g, the 32
-// columns of word t of the chunk), word t of the chunk for its rows 4g..4g+3 and 32+4g..32+4g+3 of
-// every sign plane (16 bytes each; [plane][lane][half] per warp), and its quarter of the warp's α / z
-// quads: quad j = 2·plane + half of group g ([plane][half][g]), for j ≡ t (mod 4).
-// 32-bit element offsets: the host checks q·W·k and G·q·k < 2^31.
-__device__ __forceinline__ void mma_issue_unit(const LutParams& p, int rt, int c, int lane, int warp,
-                                               unsigned char* stage) {
+// Start copying chunk c's x fragment for this lane into a ring stage: batch row g, the 32 columns of
+// word t of the chunk, through L1, as the block's 8 warps read the same 2 KB.
+__device__ __forceinline__ void mma_issue_x(const LutParams& p, int c, int lane, int warp, unsigned char* stage) {
+  const uint32_t g = lane >> 2, t = lane & 3;
+  uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
+  const int col0 = 32 * int(uint32_t(c) * kMmaChunkWords + t);
+  const bool inside = int(g) < p.nb && col0 < p.d;
+  if (!inside || (p.x_vec && col0 + 32 <= p.d)) {
+    const __half* src = p.x + (inside ? size_t(g) * p.d + col0 : 0);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, src + 8 * v, inside);
+  } else {  // the row's last, partial word (or x not 16-byte aligned): plain loads, plain stores
+    const __half* src = p.x + size_t(g) * p.d + col0;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xs);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float lo = col0 + 2 * j < p.d ? __half2float(load_half(src + 2 * j)) : 0.f;
+      const float hi = col0 + 2 * j + 1 < p.d ? __half2float(load_half(src + 2 * j + 1)) : 0.f;
+      dst[j] = float2_to_half2_bits(lo, hi);
+    }
+  }
+}
+
+// Start copying unit (rt, c)'s weights for this lane into a ring stage: word t of the chunk for its
+// rows 4g..4g+3 and 32+4g..32+4g+3 of every sign plane (16 bytes each; [plane][lane][half] per warp),
+// and its quarter of the warp's α / z quads: quad j = 2·plane + half of group g ([plane][half][g]),
+// for j ≡ t (mod 4). 32-bit element offsets: the host checks q·W·k and G·q·k < 2^31.
+__device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, int c, int lane, int warp,
+                                                  unsigned char* stage) {
   const uint32_t k = uint32_t(p.k), q = uint32_t(p.q), g = lane >> 2, t = lane & 3;
   const uint32_t r0 = uint32_t(rt) * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * g;
   const uint32_t wd = uint32_t(c) * kMmaChunkWords + t;
   const bool word_ok = wd < uint32_t(p.W);
-  {  // x: through L1, as the block's 8 warps read the same 2 KB
-    uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
-    const int col0 = 32 * int(wd);
-    const bool inside = int(g) < p.nb && col0 < p.d;
-    if (!inside || (p.x_vec && col0 + 32 <= p.d)) {
-      const __half* src = p.x + (inside ? size_t(g) * p.d + col0 : 0);
-#pragma unroll
-      for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, src + 8 * v, inside);
-    } else {  // the row's last, partial word (or x not 16-byte aligned): plain loads, plain stores
-      const __half* src = p.x + size_t(g) * p.d + col0;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(xs);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float lo = col0 + 2 * j < p.d ? __half2float(load_half(src + 2 * j)) : 0.f;
-        const float hi = col0 + 2 * j + 1 < p.d ? __half2float(load_half(src + 2 * j + 1)) : 0.f;
-        dst[j] = float2_to_half2_bits(lo, hi);
-      }
-    }
-  }
   const uint32_t grp = word_group(c * kMmaChunkWords, p.group_magic);  // one group per chunk
   const uint32_t wstride = uint32_t(p.W) * k;
   uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + 2 * lane;
@@ -853,6 +859,7 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
   __shared__ int s_last;
+  qk::allow_next_grid();  // one wave of blocks, as the LUT kernel
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
@@ -866,14 +873,19 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
 #pragma unroll
   for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = 0.f;
   uint32_t bx[16];
-  // x and weights run S - 1 units ahead through the ring
+  // x and weights run S - 1 units ahead through the ring. The first units' weights are copied before
+  // the wait for the previous kernel, their x after it: group s holds unit s's x (group 0 also all
+  // the first weights), so the loop's wait for group s still covers unit s.
+  const int first_units = int(to_issue < S - 1 ? to_issue : S - 1);
+  for (int s = 0; s < first_units; ++s) {
+    mma_issue_weights(p, ld_rt, ld_c, lane, warp, smem + s * stage_bytes);
+    if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
+  }
+  to_issue -= first_units;
+  qk::wait_prior_grid();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (to_issue > 0) {
-      mma_issue_unit(p, ld_rt, ld_c, lane, warp, smem + s * stage_bytes);
-      if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
-      --to_issue;
-    }
+    if (s < first_units) mma_issue_x(p, int((s0 + s) % p.n_ch), lane, warp, smem + s * stage_bytes);
     commit_async();
   }
 
@@ -881,7 +893,9 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
     wait_async<S - 2>();  // this lane's copies of the unit have landed,
     __syncwarp();         // and the other lanes' (α quads are shared); the previous stage is consumed
     if (to_issue > 0) {   // refill the stage the previous unit read
-      mma_issue_unit(p, ld_rt, ld_c, lane, warp, smem + (slot == 0 ? S - 1 : slot - 1) * stage_bytes);
+      unsigned char* refill = smem + (slot == 0 ? S - 1 : slot - 1) * stage_bytes;
+      mma_issue_x(p, ld_c, lane, warp, refill);
+      mma_issue_weights(p, ld_rt, ld_c, lane, warp, refill);
       if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
       --to_issue;
     }
@@ -1195,10 +1209,11 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 // y[n, k] = x[n, d] · wᵀ (+ bias), all fp16, as launches of at most 8 columns on `stream`; a launch
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
 // ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Without y (nullptr):
-// ws[n, k] += x · wᵀ in fp32, bias ignored, counters untouched. Returns the first launch error.
+// ws[n, k] += x · wᵀ in fp32, bias ignored, counters untouched. overlap: programmatic dependent
+// launches (grid_dependency.h; sm_90+ only). Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
-                              int blocks, int device, cudaStream_t stream) {
+                              int blocks, bool overlap, int device, cudaStream_t stream) {
   using namespace lutgemm;
   static int sm_count[64] = {0};  // per device, asked once
   cudaError_t err = cudaSuccess;
@@ -1209,6 +1224,7 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (device >= 0 && device < 64) sm_count[device] = sms;
   }
   const int launches = (n + kMaxBatch - 1) / kMaxBatch, n_rt = max_row_tiles(k);
+  overlap = overlap && qk::overlap_supported(device);
   int* counters = reinterpret_cast<int*>(ws + size_t(n) * k);  // zero bits are int 0
   for (int l = 0; l < launches; ++l) {
     const int nb = n - l * kMaxBatch < kMaxBatch ? n - l * kMaxBatch : kMaxBatch;
@@ -1221,17 +1237,15 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
-      mma_kernel()<<<grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream>>>(pm);
-      err = cudaGetLastError();
+      err = qk::launch_kernel(mma_kernel(), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, pm);
       if (err != cudaSuccess) return err;
       continue;
     }
     const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
-    if (bp == 1) lut_kernel<1>()<<<grid, kThreads, Cfg<1>::kSmemBytes, stream>>>(p);
-    else if (bp == 2) lut_kernel<2>()<<<grid, kThreads, Cfg<2>::kSmemBytes, stream>>>(p);
-    else if (bp == 4) lut_kernel<4>()<<<grid, kThreads, Cfg<4>::kSmemBytes, stream>>>(p);
-    else lut_kernel<8>()<<<grid, kThreads, Cfg<8>::kSmemBytes, stream>>>(p);
-    err = cudaGetLastError();
+    if (bp == 1) err = qk::launch_kernel(lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes, stream, overlap, p);
+    else if (bp == 2) err = qk::launch_kernel(lut_kernel<2>(), grid, kThreads, Cfg<2>::kSmemBytes, stream, overlap, p);
+    else if (bp == 4) err = qk::launch_kernel(lut_kernel<4>(), grid, kThreads, Cfg<4>::kSmemBytes, stream, overlap, p);
+    else err = qk::launch_kernel(lut_kernel<8>(), grid, kThreads, Cfg<8>::kSmemBytes, stream, overlap, p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -1323,13 +1337,13 @@ void check_workspace(const at::Tensor& ws, int64_t floats, const at::Tensor& x, 
 
 void launch_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                     int64_t group_size, void* out, float* ws, int64_t mma_min_batch, int64_t blocks) {
+                     int64_t group_size, void* out, float* ws, int64_t mma_min_batch, int64_t blocks, bool overlap) {
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
   const cudaError_t err = lutgemm_cuda_gemm(x.data_ptr(), int(x.size(0)), int(x.size(1)), qweight.data_ptr<int>(),
                                             alpha.data_ptr(), ptr_or_null(offset), ptr_or_null(bias), out, ws,
                                             int(q), int(W), int(k), int(G), int(group_size),
                                             int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
-                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), x.device().index(),
+                                            int(std::clamp<int64_t>(blocks, 0, 1 << 20)), overlap, x.device().index(),
                                             c10::cuda::getCurrentCUDAStream());
   QK_CHECK(err == cudaSuccess, "lut_gemm launch failed for x [", x.size(0), ", ", x.size(1), "], weight ", k, "x",
               x.size(1), ", q = ", q, ", g = ", group_size, ", offset = ", offset.has_value(), ": ",
@@ -1350,7 +1364,7 @@ int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,
-                      const std::optional<at::Tensor>& workspace, int64_t blocks) {
+                      const std::optional<at::Tensor>& workspace, int64_t blocks, bool overlap) {
   check_lut_operands(x, qweight, alpha, offset, group_size);
   const int64_t n = x.size(0), k = qweight.size(2);
   QK_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&
@@ -1376,20 +1390,20 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
     ws = at::zeros({ws_floats}, x.options().dtype(at::kFloat));
   }
   launch_lut_gemm(x, qweight, alpha, offset, bias, group_size, out.data_ptr(), ws.data_ptr<float>(), mma_min_batch,
-                  blocks);
+                  blocks, overlap);
 }
 
 // acc[0 : n·k] (fp32, read as [n, k]) += x[n, d] @ wᵀ: the same kernels stopping at their fp32 partial sums,
 // with no tile counter, read-back or fp16 output. The next kernel reads acc and clears it (runtime.fusion).
 void lutgemm_lut_accumulate(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                             const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
-                            int64_t mma_min_batch, int64_t blocks) {
+                            int64_t mma_min_batch, int64_t blocks, bool overlap) {
   check_lut_operands(x, qweight, alpha, offset, group_size);
   check_workspace(acc, x.size(0) * qweight.size(2), x, "acc");
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   launch_lut_gemm(x, qweight, alpha, offset, std::nullopt, group_size, nullptr, acc.data_ptr<float>(), mma_min_batch,
-                  blocks);
+                  blocks, overlap);
 }
 
 // out[k, d] (fp16, bf16 or fp32) = the dense weight, bit-identical to BCQQuantizedTensor.dequantize(out.dtype).

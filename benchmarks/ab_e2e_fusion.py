@@ -17,6 +17,8 @@ has its own fp16 base:
   off).
 - "no-overlap": everything, but every kernel launched without programmatic dependent launch
   (kernels/overlap.py disabled while the step's graph is captured).
+- "matvec-overlap": overlap for the matvec kernels only (the Triton kernels launched as before).
+- "triton-overlap": overlap for the Triton kernels (add + norm, attention, SiLU·mul) only.
 Prints ms per token.
 """
 
@@ -34,7 +36,28 @@ OFF = {"_restated_attention": lambda forward: None, "_accumulating_projections":
        "_returns_o_proj_output": lambda forward: False, "_static_rotary": lambda module: False}
 VARIANTS = {"all": (), "separate-attention": ("_restated_attention",), "eager-angles": ("_static_rotary",),
             "no-sums": ("_restated_attention", "_accumulating_projections", "_returns_o_proj_output"),
-            "mlp-sums": ("_restated_attention", "_returns_o_proj_output"), "no-overlap": ()}
+            "mlp-sums": ("_restated_attention", "_returns_o_proj_output"), "no-overlap": (), "matvec-overlap": (),
+            "triton-overlap": ()}
+
+
+@contextlib.contextmanager
+def overlap_variant(variant):
+    """kernels/overlap.py as the variant wants it while the decode step is captured."""
+    if variant == "no-overlap":
+        with overlap.disabled():
+            yield
+        return
+    saved = overlap.enabled, overlap.triton_launch
+    if variant == "matvec-overlap":
+        overlap.triton_launch = lambda device: {"GDC": False}
+    elif variant == "triton-overlap":
+        triton_kwargs = overlap.triton_launch(torch.device("cuda"))  # decided while overlap is on
+        overlap.triton_launch = lambda device: triton_kwargs
+        overlap.enabled = lambda: False
+    try:
+        yield
+    finally:
+        overlap.enabled, overlap.triton_launch = saved
 
 
 def set_variant(variant, originals):
@@ -71,7 +94,7 @@ def main():
                     set_variant(variant, originals)
                     fusion.fuse_pointwise(model)
                     before = len(results)
-                    with overlap.disabled() if variant == "no-overlap" else contextlib.nullcontext():
+                    with overlap_variant(variant):
                         bench.run_format(fmt, "full", "split", model, modules, prompt, run_args, results)
                     fusion.unfuse_pointwise(model)
                     for row in results[before:]:

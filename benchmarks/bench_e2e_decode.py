@@ -25,6 +25,8 @@ q/k/v and gate/up into one linear each (one launch over the stacked rows). Atten
 steps with runtime.decode_attention (the cache split over many programs, positions past the current one
 not read; the kernel also writes the step's key and value into the cache), "split-separate-write" the
 same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache.
+On Hopper every kernel of a fused layer (matvecs, add + norm, attention, SiLU·mul) launches with
+programmatic dependent launch (quantkit.kernels.overlap; QUANTKIT_OVERLAP=0 turns it off); cuBLAS does not.
 Fusion and attention apply to fp16 and every format alike, and speedups compare formats at the same
 fusion and attention.
 GB/s: bytes a decode step must read (linears as served, lm_head, norms, and the KV cache: all max_len

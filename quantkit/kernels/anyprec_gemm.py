@@ -13,6 +13,8 @@ Two paths, chosen by the number of rows of x (all leading dims flattened):
       (cuBLAS). With module.cache_weight the weight is kept under QuantLinear's cache key
       (device, dtype, bits), as the reference path does.
 The thresholds were measured with benchmarks/bench_anyprec_kernel.py on an H100 (see MATVEC_MAX_ROWS).
+On sm_90+ the matvec launches overlap the kernel before them (kernels/overlap.py): planes and tables
+first, x after that kernel has ended.
 
 Functions here take plain tensors so tests and benchmarks can call each variant directly.
 """

@@ -25,6 +25,9 @@ fp32 split-K workspace and leave it there, without the tile counter, the read-ba
 store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B decode shapes). Whoever
 asks for it reads the sums and zeroes them (runtime.fusion does, in the kernel that consumes them).
 
+On sm_90+ the matvec launches use programmatic dependent launch (kernels/overlap.py): each starts
+copying its weights while the kernel before it is still running, and reads x only after it has ended.
+
 Importing this module registers `forward` and `accumulate` for "bcq" and "uniform" with
 quantkit.kernels.dispatch; both return None (-> PyTorch reference, or the caller's ordinary path) when
 the extension cannot be built or the input is not one they serve.

@@ -447,6 +447,20 @@ def test_overlapped_chain_waits_for_its_input(ext, batch):
             assert torch.equal(plain, overlapped)
 
 
+def test_module_overlaps_once_its_planes_and_table_are_settled(ext, monkeypatch):
+    """The matvec reads planes and table before waiting for the kernel before it (kernels/overlap.py):
+    a module's first call with a (new) table launches without overlap, the next ones with it."""
+    layer = QuantLinear(_artifact(64, 256, 3, 8, seed=5), compute_dtype=torch.float16, bits=3).cuda()
+    flags, real = [], ag.matvec
+    monkeypatch.setattr(ag, "matvec", lambda *a, **kw: (flags.append(kw["overlapped"]), real(*a, **kw))[1])
+    x = torch.randn(1, 256, device="cuda").half()
+    outputs = [layer(x), layer(x)]
+    layer.set_bits(4)
+    outputs += [layer(x), layer(x)]
+    assert flags == [False, True, False, True]
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
+
+
 def test_bad_arguments_are_refused_with_the_shapes(ext):
     qt = _artifact(32, 128, 3, 4, device="cuda")
     planes = ag.kernel_layout(qt.planes)

@@ -24,7 +24,7 @@ import torch
 
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups
-from quantkit.kernels import build, dispatch, lutgemm
+from quantkit.kernels import build, dispatch, lutgemm, overlap
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.runtime import QuantLinear
 
@@ -59,6 +59,7 @@ class FakeOps:
 
     def __init__(self):
         self.calls = []
+        self.overlaps = []  # the overlap flag of each lut_gemm / lut_accumulate call
 
     @staticmethod
     def _tensor(qweight, alpha, offset, group_size, in_features):
@@ -73,7 +74,7 @@ class FakeOps:
                  overlap=False):
         assert x.dtype == torch.float16 and x.is_contiguous() and out.dtype == torch.float16
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
-        assert overlap == lutgemm.overlap.enabled()
+        self.overlaps.append(overlap)
         if workspace is not None:
             assert workspace.dtype == torch.float32 and workspace.numel() >= self.workspace_floats(x.shape[0], out.shape[1])
             assert not workspace.any(), "the workspace must be zero on entry"
@@ -84,7 +85,7 @@ class FakeOps:
     def lut_accumulate(self, x, qweight, alpha, offset, group_size, acc, mma_min_batch=9, blocks=0, overlap=False):
         assert x.dtype == torch.float16 and x.is_contiguous() and acc.dtype == torch.float32
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
-        assert overlap == lutgemm.overlap.enabled()
+        self.overlaps.append(overlap)
         k = qweight.shape[2]
         self.calls.append(("lut_accumulate", x.shape[0]))
         sums = acc[: x.shape[0] * k].view(x.shape[0], k)
@@ -153,6 +154,25 @@ def test_leading_dims_dtype_and_bias(fake_ops):
     assert rel_err(y.reshape(6, 32), xw + module.bias.double()) < 1e-2  # bf16 output
     module.bias = None  # the bias is added exactly once
     assert rel_err(lutgemm.forward(module, x).reshape(6, 32), xw) < 1e-2
+
+
+def test_overlap_only_once_the_weights_are_settled(fake_ops):
+    """A matvec copies its weights before waiting for the kernel before it (kernels/overlap.py), so a
+    module's first call with new or rewritten weight tensors launches without overlap, later ones with it."""
+    module = QuantLinear(make_bcq(32, 64, 2, 32, offset=True))
+    x = torch.randn(1, 64)
+    for _ in range(3):
+        lutgemm.forward(module, x)
+    assert fake_ops.overlaps == [False, True, True]
+    module.alpha.mul_(1.0)  # written in place (on a GPU: by a kernel that may still be running)
+    lutgemm.forward(module, x)
+    lutgemm.accumulate(module, x).zero_()  # the sums are the caller's to clear
+    module.offset = module.offset.clone()  # new storage
+    lutgemm.forward(module, x)
+    assert fake_ops.overlaps[3:] == [False, True, False]
+    with overlap.disabled():
+        lutgemm.forward(module, x)
+    assert fake_ops.overlaps[-1] is False
 
 
 def test_empty_input_and_unserved_dtype(fake_ops):

@@ -14,7 +14,8 @@ Two paths, chosen by the number of rows of x (all leading dims flattened):
       (device, dtype, bits), as the reference path does.
 The thresholds were measured with benchmarks/bench_anyprec_kernel.py on an H100 (see MATVEC_MAX_ROWS).
 On sm_90+ the matvec launches overlap the kernel before them (kernels/overlap.py): planes and tables
-first, x after that kernel has ended.
+first, x after that kernel has ended; a module's first call with new planes or tables launches without
+it (overlap.settled).
 
 Functions here take plain tensors so tests and benchmarks can call each variant directly.
 """
@@ -103,12 +104,13 @@ def choose_tiles(bits, rows_out, batch, device, ext):
 
 
 def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None,
-           overlapped=None):
+           overlapped=False):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
     planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
     must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
-    overlapped: launch with overlap (kernels/overlap.py); None = as overlap.enabled() says.
+    overlapped: launch with overlap (kernels/overlap.py; planes and lut must not be written by the
+    kernels just before).
     """
     ext = ext or build.load("anyprec")
     rows, cols = x2.shape
@@ -119,8 +121,6 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=No
         out = torch.empty(rows, lut.shape[0], dtype=x2.dtype, device=x2.device)
     if tiles is None:
         tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
-    if overlapped is None:
-        overlapped = overlap.enabled()
     for start in range(0, rows, MAX_BATCH):
         ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
                    out[start:start + MAX_BATCH], flags, tiles, overlapped)
@@ -168,7 +168,9 @@ def forward(module, x):
                 module._cached = (key, weight)
         return F.linear(x, weight, bias)
     words = -(-cols // 32)
-    y = matvec(x2, prepared_planes(module), lut, bits, words, bias, ext=ext)
+    planes = prepared_planes(module)
+    overlapped = overlap.enabled() and overlap.settled(module, planes, lut)
+    y = matvec(x2, planes, lut, bits, words, bias, ext=ext, overlapped=overlapped)
     return y.reshape(*x.shape[:-1], rows_out)
 
 

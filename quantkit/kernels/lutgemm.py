@@ -26,7 +26,8 @@ store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B dec
 asks for it reads the sums and zeroes them (runtime.fusion does, in the kernel that consumes them).
 
 On sm_90+ the matvec launches use programmatic dependent launch (kernels/overlap.py): each starts
-copying its weights while the kernel before it is still running, and reads x only after it has ended.
+copying its weights while the kernel before it is still running, and reads x only after it has ended;
+a module's first call with new weights launches without it (overlap.settled).
 
 Importing this module registers `forward` and `accumulate` for "bcq" and "uniform" with
 quantkit.kernels.dispatch; both return None (-> PyTorch reference, or the caller's ordinary path) when
@@ -94,18 +95,19 @@ def use_matvec(tokens, out_features, in_features, group_size):
     return 0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
 
 
-def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None):
+def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None, overlapped=False):
     """x [n, d] (any float dtype, CUDA) @ weightᵀ (+ bias) with the LUT kernel (launches of at least
     mma_min_batch columns, default MMA_MIN_BATCH, on the tensor-core kernel) -> fp16 [n, k].
     workspace: a zero fp32 tensor of at least ops.workspace_floats(n, k) elements, which the kernels
-    leave zero (None: a fresh zeroed one per call, i.e. one memset more)."""
+    leave zero (None: a fresh zeroed one per call, i.e. one memset more). overlapped: launch with
+    overlap (kernels/overlap.py; the weights must not be written by the kernels just before)."""
     ops = ops or kernels()
     x = x.to(torch.float16).contiguous()
     out = torch.empty(x.shape[0], t.out_features, dtype=torch.float16, device=x.device)
     if bias is not None:
         bias = bias.to(torch.float16).contiguous()
     ops.lut_gemm(x, t.qweight, t.alpha, t.offset, bias, t.group_size, out,
-                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace, overlap=overlap.enabled())
+                 MMA_MIN_BATCH if mma_min_batch is None else mma_min_batch, workspace, overlap=overlapped)
     return out
 
 
@@ -160,6 +162,11 @@ def _dense_weight(module, t, x, ops):
     return weight
 
 
+def _overlapped(module, t: BCQTensors):
+    """Launch with overlap: enabled, and the module's weights settled (overlap.settled)."""
+    return overlap.enabled() and overlap.settled(module, t.qweight, t.alpha, t.offset)
+
+
 def linear(module, x, t: BCQTensors, ops):
     """QuantLinear forward on the kernels: y [..., k] in x.dtype, bias included."""
     if x.dtype not in DENSE_DTYPES or x.shape[-1] != t.in_features:
@@ -170,7 +177,8 @@ def linear(module, x, t: BCQTensors, ops):
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], k)
     if use_matvec(tokens, k, t.in_features, t.group_size):
-        y = lut_matmul(x2, t, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops)).to(x.dtype)
+        y = lut_matmul(x2, t, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops),
+                       overlapped=_overlapped(module, t)).to(x.dtype)
     else:
         bias = None if module.bias is None else module.bias.to(x.dtype)
         y = F.linear(x2, _dense_weight(module, t, x, ops), bias)
@@ -192,7 +200,7 @@ def accumulate_into_workspace(module, x, t: BCQTensors, ops):
     if ws is None:
         return None
     ops.lut_accumulate(x2.to(torch.float16).contiguous(), t.qweight, t.alpha, t.offset, t.group_size, ws,
-                       MMA_MIN_BATCH, overlap=overlap.enabled())
+                       MMA_MIN_BATCH, overlap=_overlapped(module, t))
     return ws[: tokens * k].view(*x.shape[:-1], k)
 
 

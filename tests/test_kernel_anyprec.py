@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import torch
 
+from overlap_helpers import replay_chains
 from quantkit.formats.anyprec import AnyPrecisionTensor, unpack_bitplanes
 from quantkit.kernels import anyprec_gemm as ag
 from quantkit.kernels import build
@@ -425,20 +426,7 @@ def test_overlapped_chain_waits_for_its_input(ext, batch):
             ag.matvec(inp, p, qt.luts[bits], bits, cols // 32, out=out, ext=ext, overlapped=flag)
             inp = out
 
-    graphs = {}
-    for flag in (False, True):
-        chain(flag)  # warm-up outside the capture
-        torch.cuda.synchronize()
-        graphs[flag] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[flag]):
-            chain(flag)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        for flag in (False, True):
-            for out in outs[flag]:
-                out.fill_(float("nan"))
-            graphs[flag].replay()
-        torch.cuda.synchronize()
+    for _ in replay_chains(chain, x, outs):
         inp = x
         for (qt, bits), out in zip(links, outs[True]):
             assert _rel_err(out, _reference(qt, inp, bits)) < REL_TOL

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from overlap_helpers import replay_chains
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups
 from quantkit.kernels import build, dispatch, lutgemm, overlap
@@ -580,20 +581,7 @@ def test_overlapped_chain_waits_for_its_input(ops, n, mma_min_batch):
             ops.lut_gemm(inp, qt.qweight, qt.alpha, qt.offset, None, 128, out, mma_min_batch, ws, overlap=flag)
             inp = out
 
-    graphs = {}
-    for flag in (False, True):
-        chain(flag)  # warm-up outside the capture
-        torch.cuda.synchronize()
-        graphs[flag] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[flag]):
-            chain(flag)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        for flag in (False, True):
-            for out in outs[flag]:
-                out.fill_(float("nan"))
-            graphs[flag].replay()
-        torch.cuda.synchronize()
+    for _ in replay_chains(chain, x, outs):
         inp = x
         for qt, out in zip(links, outs[True]):
             assert rel_err(out, reference(inp, qt)) < TOL

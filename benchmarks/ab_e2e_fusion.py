@@ -78,6 +78,8 @@ def main():
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if {"no-overlap", "matvec-overlap", "triton-overlap"} & set(variants) and not overlap.for_device("cuda"):
+        ap.error("the overlap variants need overlap on (QUANTKIT_OVERLAP unset) and a GPU of compute capability 9.0+")
     originals = {name: getattr(fusion, name) for name in OFF}
     torch.manual_seed(0)
     model = bench.build_model(32)

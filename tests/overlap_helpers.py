@@ -1,25 +1,37 @@
-"""Helper shared by the kernels' overlap tests (kernels/overlap.py): a chain of launches captured in
-CUDA graphs with and without overlap, replayed on fresh input into poisoned outputs."""
+"""Helper shared by the kernels' overlap tests (kernels/overlap.py): a chain of launches run with and
+without overlap, eagerly and captured in CUDA graphs, on fresh input into poisoned outputs."""
 
+import pytest
 import torch
 
 
 def replay_chains(chain, x, outs, replays=3):
     """chain(flag) launches a chain of kernels from x into the tensors outs[flag], with overlap when flag.
-    Each is run once (warm-up), then captured in a CUDA graph; each replay draws a fresh x, fills every
-    output with NaN, replays both graphs and waits. Yields after each replay, for the caller's checks."""
-    graphs = {}
+    Both chains run eagerly once, then are captured in CUDA graphs and replayed `replays` times; before
+    each run x is drawn afresh and every output filled with NaN. Yields after each run (eager first),
+    once both chains have finished, for the caller's checks. Skips below compute capability 9.0, where
+    launches never overlap."""
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        pytest.skip("overlap needs compute capability 9.0+")
+
+    def fresh():
+        x.copy_(torch.randn_like(x))
+        for out in outs[False] + outs[True]:
+            out.fill_(float("nan"))
+
+    fresh()
     for flag in (False, True):
         chain(flag)
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    yield
+    graphs = {}
+    for flag in (False, True):
         graphs[flag] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[flag]):
             chain(flag)
     for _ in range(replays):
-        x.copy_(torch.randn_like(x))
+        fresh()
         for flag in (False, True):
-            for out in outs[flag]:
-                out.fill_(float("nan"))
             graphs[flag].replay()
         torch.cuda.synchronize()
         yield

@@ -411,9 +411,9 @@ def test_cuda_graph_capture_replays_the_kernel(ext):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_overlapped_chain_waits_for_its_input(ext, batch):
     """With overlap (kernels/overlap.py) a matvec starts before the previous kernel ends and must wait
-    for it before reading x: a chain of matvecs at k = 3, 4, 8, each on the previous one's output, in a
-    CUDA graph with every output poisoned before each replay; each link matches the reference on the
-    input it got, and the chain equals the one launched without overlap bit for bit."""
+    for it before reading x: a chain of matvecs at k = 3, 4, 8, each on the previous one's output,
+    eagerly and in a CUDA graph, with every output poisoned before each run; each link matches
+    the reference on the input it got, and the chain equals the one launched without overlap bit for bit."""
     cols = 1024
     links = [(_artifact(cols, cols, 3, 8, seed=20 + bits, device="cuda"), bits) for bits in (3, 4, 8)]
     planes = [ag.kernel_layout(qt.planes) for qt, _ in links]
@@ -438,6 +438,9 @@ def test_overlapped_chain_waits_for_its_input(ext, batch):
 def test_module_overlaps_once_its_planes_and_table_are_settled(ext, monkeypatch):
     """The matvec reads planes and table before waiting for the kernel before it (kernels/overlap.py):
     a module's first call with a (new) table launches without overlap, the next ones with it."""
+    from quantkit.kernels import overlap
+
+    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
     layer = QuantLinear(_artifact(64, 256, 3, 8, seed=5), compute_dtype=torch.float16, bits=3).cuda()
     flags, real = [], ag.matvec
     monkeypatch.setattr(ag, "matvec", lambda *a, **kw: (flags.append(kw["overlapped"]), real(*a, **kw))[1])

@@ -157,9 +157,10 @@ def test_leading_dims_dtype_and_bias(fake_ops):
     assert rel_err(lutgemm.forward(module, x).reshape(6, 32), xw) < 1e-2
 
 
-def test_overlap_only_once_the_weights_are_settled(fake_ops):
+def test_overlap_only_once_the_weights_are_settled(fake_ops, monkeypatch):
     """A matvec copies its weights before waiting for the kernel before it (kernels/overlap.py), so a
     module's first call with new or rewritten weight tensors launches without overlap, later ones with it."""
+    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
     module = QuantLinear(make_bcq(32, 64, 2, 32, offset=True))
     x = torch.randn(1, 64)
     for _ in range(3):
@@ -565,15 +566,17 @@ def test_cuda_graph_capture(ops, mma_min_batch):
 @pytest.mark.parametrize("n", [1, 8])
 def test_overlapped_chain_waits_for_its_input(ops, n, mma_min_batch):
     """Launched with overlap (kernels/overlap.py), a kernel starts before the previous one ends and must
-    wait for it before reading x: a chain of matvecs, each on the previous one's output, in a CUDA graph
-    with every output poisoned before each replay. Each link equals the reference on the input it got,
-    and the chain ends where the same chain launched without overlap does (not bit for bit: the split-K
-    atomics add in a different order from run to run)."""
-    d = 2048  # α as make_bcq draws them keep the activations' size from link to link at this width
-    links = [make_bcq(d, d, q, 128, offset=q == 3, seed=10 + i, device="cuda") for i, q in enumerate((2, 3, 4, 3))]
-    x = torch.randn(n, d, device="cuda").half()
-    outs = {flag: [torch.empty(n, d, dtype=torch.float16, device="cuda") for _ in links] for flag in (False, True)}
-    workspaces = [torch.zeros(ops.workspace_floats(n, d), dtype=torch.float32, device="cuda") for _ in links]
+    wait for it before reading x: a chain of matvecs, each on the previous one's output, eagerly and in a
+    CUDA graph, with every output poisoned before each run. Each link equals the reference on the input it
+    got, and the chain ends where the same chain launched without overlap does (not bit for bit: the
+    split-K atomics add in a different order from run to run). 8192 x 4096 and back: at the default grid
+    both kernels' blocks run more than one step, so the prologue and the ring's refills both overlap."""
+    shapes = [(8192, 4096), (4096, 8192)] * 2  # (out, in); α as make_bcq draws them keep the activations' size
+    links = [make_bcq(k, d, q, 128, offset=q == 3, seed=10 + i, device="cuda")
+             for i, ((k, d), q) in enumerate(zip(shapes, (2, 3, 4, 3)))]
+    x = torch.randn(n, shapes[0][1], device="cuda").half()
+    outs = {flag: [torch.empty(n, k, dtype=torch.float16, device="cuda") for k, _ in shapes] for flag in (False, True)}
+    workspaces = [torch.zeros(ops.workspace_floats(n, k), dtype=torch.float32, device="cuda") for k, _ in shapes]
 
     def chain(flag):
         inp = x

@@ -307,12 +307,19 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
 
 
 @pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
-def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact):
+def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact, monkeypatch):
     """The fused decode step captured with overlap (kernels/overlap.py: the matvec and Triton kernels
-    scheduled before the kernel they depend on ends) decodes as the one captured without."""
+    scheduled before the kernel they depend on ends) decodes as the one captured without, and its
+    capture did launch matvecs and Triton kernels with overlap."""
     from quantkit.kernels import overlap
     from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
 
+    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
+    launches = []  # (what, overlapped) of each matvec / Triton launch decided while capturing
+    settled, triton_launch = overlap.settled, overlap.triton_launch
+    monkeypatch.setattr(overlap, "settled", lambda *a: launches.append(("matvec", settled(*a))) or launches[-1][1])
+    monkeypatch.setattr(overlap, "triton_launch",
+                        lambda device: launches.append(("triton", triton_launch(device)["GDC"])) or triton_launch(device))
     model = quantkit.load(artifact(name), device="cuda", bits=bits)
     _require_kernel(model, tokens=1)
     if not overlap.for_device("cuda"):
@@ -325,7 +332,9 @@ def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact):
         with overlap.disabled():
             decoder.capture()
         plain = decoder.generate(prompt, STEPS)
+        launches.clear()
         decoder.capture()
+        captured = set(launches)
         overlapped = decoder.generate(prompt, STEPS)
         again = decoder.generate(prompt, STEPS)
     finally:
@@ -333,6 +342,7 @@ def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact):
         stacking.undo()
     _assert_same_until_near_tie(model, prompt, plain, overlapped, "overlapped vs plain launches")
     _assert_same_until_near_tie(model, prompt, overlapped, again, "overlapped graph replayed twice")
+    assert {("matvec", True), ("triton", True)} <= captured, captured
 
 
 def test_the_compiled_greedy_pick_is_argmax():

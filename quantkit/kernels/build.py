@@ -3,7 +3,9 @@
 `load("lutgemm")` compiles csrc/lutgemm.cu (and csrc/lutgemm.cpp when present) with
 torch.utils.cpp_extension.load into ~/.cache/quantkit/kernels/<name>-<source hash>/ (override
 with QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an unchanged one
-compiles once per machine. It returns None, with one warning saying why, when CUDA is absent,
+compiles once per machine. The hash covers the GPU architectures built for (TORCH_CUDA_ARCH_LIST,
+else the visible GPUs'), so a cache shared with another GPU model does not hand back a build
+without this GPU's code (the kernels' sm_90 paths, kernels/overlap.py). It returns None, with one warning saying why, when CUDA is absent,
 QUANTKIT_NO_KERNELS=1 is set, or the build fails: the caller then uses its PyTorch path.
 
 `load_cpu("anyprec_cpu")` does the same for a CPU-only C++ source csrc/<name>.cpp (OpenMP, no CUDA
@@ -51,13 +53,22 @@ EXTRA_CUDA_ENV = "QUANTKIT_KERNEL_DEFINES"
 CPU_FLAGS = {"extra_cflags": ["-O3", "-fno-trapping-math", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
 
 
-def _compile(key, label, name, sources, flags, verbose):
-    """Build `sources` as module quantkit_<name> in a directory keyed by their bytes, the flags and
-    the torch version; None (warned, reason kept in _failures[key]) when the compiler fails."""
+def cuda_targets():
+    """The architectures torch's extension build compiles for: TORCH_CUDA_ARCH_LIST, else the visible GPUs'."""
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if listed:
+        return listed
+    return ",".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}))
+
+
+def _compile(key, label, name, sources, flags, verbose, target=""):
+    """Build `sources` as module quantkit_<name> in a directory keyed by their bytes, the flags, the
+    target architectures and the torch version; None (warned, reason kept in _failures[key]) when the
+    compiler fails."""
     digest = hashlib.sha256()
     for f in [*sources, *sorted(CSRC.glob("*.h"))]:  # shared headers (check.h) are part of every build
         digest.update(f.read_bytes())
-    digest.update(repr(sorted(flags.items())).encode() + torch.__version__.encode())
+    digest.update(repr(sorted(flags.items())).encode() + target.encode() + torch.__version__.encode())
     build_dir = cache_root() / f"{key.replace(':', '-')}-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load as load_extension
@@ -87,7 +98,7 @@ def load(name, verbose=False):
     extra = os.environ.get(EXTRA_CUDA_ENV, "").split()
     if extra:
         flags = {**CUDA_FLAGS, "extra_cuda_cflags": CUDA_FLAGS["extra_cuda_cflags"] + extra}
-    return _compile(name, "kernel", name, sources_for(name), flags, verbose)
+    return _compile(name, "kernel", name, sources_for(name), flags, verbose, cuda_targets())
 
 
 def load_cpu(name, verbose=False):

@@ -12,10 +12,13 @@ The weights are read before that wait, so they must not come from the kernel jus
 launched without overlap only starts once everything before it has completed, but an overlapped one may
 start while the previous kernel's writes are still on their way (and, behind a chain of overlapped
 kernels, an earlier one's). So a module's matvec runs with overlap only once its weights are settled:
-`settled()` is false on the first call with a given set of weight tensors (new storage, or written in
-place since), whose launch is then an ordinary one, and true from the next call on. Weights converted,
-laid out or stacked on the GPU right before their first use (uniform -> BCQ, the any-precision kernel
-layout, fused projections) are covered by that first ordinary launch.
+`settled()` is false on the first call with a given set of weight tensors (other tensor objects, or
+written in place since: their version counters), whose launch is then an ordinary one, and true from
+the next call on. Weights converted, laid out or stacked on the GPU right before their first use
+(uniform -> BCQ, the any-precision kernel layout, fused projections) are covered by that first
+ordinary launch. Not seen: writes that bypass the version counter (through `.data`, into an
+inference tensor inside inference mode, by an extension's `out=` argument); after such a write,
+launch once with `disabled()`.
 
 On by default where the GPU supports it (compute capability 9.0+); QUANTKIT_OVERLAP=0 turns it off
 for the process, `disabled()` for a block of code (the A/B benchmarks: a CUDA graph keeps what was
@@ -25,6 +28,7 @@ set while it was captured).
 import contextlib
 import functools
 import os
+import weakref
 
 import torch
 
@@ -37,19 +41,24 @@ def enabled():
     return _state["on"]
 
 
-_SETTLED_ATTR = "_overlap_weights"  # on the module: (data_ptr, version) of the weights its last launch read
+_SETTLED_ATTR = "_overlap_weights"  # on the module: (weak reference, version) of each weight its last call read
+
+
+def _version(tensor):
+    return None if tensor.is_inference() else tensor._version  # inference tensors keep no version counter
 
 
 def settled(owner, *weights):
     """Whether `owner` (a module) may launch a kernel that reads `weights` before its wait, with overlap:
-    true when its previous call read the same tensors, unchanged (the same storage, no in-place write:
-    their version counters); else false, and the caller launches without overlap this once. Tensors
-    that are None are skipped; inference tensors have no version counter, so for them only the storage
-    counts (they cannot be written in place outside inference mode)."""
-    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights if w is not None)
-    if getattr(owner, _SETTLED_ATTR, None) == key:
+    true when its previous call read the same tensor objects, not written in place since (their
+    version counters); else false, and the caller launches without overlap this once. Tensors that are
+    None are skipped. Weak references: a tensor freed and another made at its address is not the same."""
+    weights = [w for w in weights if w is not None]
+    last = getattr(owner, _SETTLED_ATTR, None)
+    if last is not None and len(last) == len(weights) and all(
+            ref() is w and version == _version(w) for (ref, version), w in zip(last, weights)):
         return True
-    setattr(owner, _SETTLED_ATTR, key)
+    setattr(owner, _SETTLED_ATTR, tuple((weakref.ref(w), _version(w)) for w in weights))
     return False
 
 
@@ -66,11 +75,22 @@ def for_device(device):
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _triton_has_gdc():
+    """Whether the installed Triton has the grid-dependency calls and the launch_pdl option (3.4+)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def triton_launch(device):
     """Keyword arguments of a Triton launch for `device`: GDC (the kernel's constexpr switch for its
-    grid-dependency calls) and, when on, launch_pdl (Triton 3.4+). Off, nothing but GDC=False is passed,
-    which Triton's interpreter accepts."""
-    return {"GDC": True, "launch_pdl": True} if for_device(device) else {"GDC": False}
+    grid-dependency calls) and, when on, launch_pdl. Off (or with a Triton older than 3.4), nothing but
+    GDC=False is passed, which Triton's interpreter accepts."""
+    return {"GDC": True, "launch_pdl": True} if for_device(device) and _triton_has_gdc() else {"GDC": False}
 
 
 @contextlib.contextmanager

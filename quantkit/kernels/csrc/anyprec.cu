@@ -791,10 +791,13 @@ bool has_matvec(int dtype, int k, int tiles, int flags) {
   return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
-// Where a matvec launches: the stream, and whether with overlap (grid_dependency.h).
+// Where a matvec launches: the stream, whether with overlap (grid_dependency.h) where the device and
+// the instance allow it, and the launch's error when it failed.
 struct Launch {
   cudaStream_t stream;
   bool overlap;
+  int device;
+  mutable cudaError_t error = cudaSuccess;
 };
 
 template <typename T, int K, int TILES, int FLAGS>
@@ -808,8 +811,9 @@ int launch_instance(const MatvecArgs& a, const Launch& on) {
     const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
     if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
-    return qk::launch_kernel(kernel, blocks, kThreads, C::SMEM_BYTES, on.stream, on.overlap, a) == cudaSuccess
-               ? kOk : kLaunchFailed;
+    const bool overlap = on.overlap && qk::overlap_supported<matvec_kernel<K, T, TILES, FLAGS>>(on.device);
+    on.error = qk::launch_kernel(kernel, blocks, kThreads, C::SMEM_BYTES, on.stream, overlap, a);
+    return on.error == cudaSuccess ? kOk : kLaunchFailed;
   }
 }
 
@@ -842,15 +846,15 @@ int launch_flags(int k, int flags, const MatvecArgs& a, const Launch& s) {
 }
 
 // dtype: 0 = fp16, 1 = bf16
-int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, const Launch& stream) {
+int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, const Launch& on) {
   MatvecArgs a = args;
   for (int i = 0; i < 32; ++i) a.pow2.v[i] = 1u << i;
   if (a.B < 1 || a.B > kMaxBatch || a.M < 1 || a.W < 1 || a.wstride < a.W || a.wstride % 4 != 0 || a.ldx < 32 * a.W)
     return kBadArgs;
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
   flags = normalize_flags(k, flags);
-  if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 1>(k, flags, a, stream);
-  return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, stream) : launch_flags<__nv_bfloat16, 2>(k, flags, a, stream);
+  if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, on) : launch_flags<__nv_bfloat16, 1>(k, flags, a, on);
+  return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, on) : launch_flags<__nv_bfloat16, 2>(k, flags, a, on);
 }
 
 // dtype: 0 = fp16, 1 = bf16, 2 = fp32
@@ -957,9 +961,11 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),
                         int(M), int(words), int(planes.size(2)), reinterpret_cast<const uint16_t*>(lut.data_ptr()),
                         bias_ptr, out.data_ptr(), {}};
-  const anyprec::Launch on{c10::cuda::getCurrentCUDAStream(), overlap && qk::overlap_supported(x.device().index())};
+  const anyprec::Launch on{c10::cuda::getCurrentCUDAStream(), overlap, x.device().index()};
   const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, on);
-  QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc), ") for x ", x.sizes(), ", planes ", planes.sizes(),
+  QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc),
+           on.error != cudaSuccess ? std::string(": ") + cudaGetErrorString(on.error) : std::string(), ") for x ",
+           x.sizes(), ", planes ", planes.sizes(),
               ", bits=", k, ", words=", words, ", tiles=", tiles, ", flags=", flags);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

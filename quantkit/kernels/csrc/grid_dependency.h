@@ -11,6 +11,8 @@
 #pragma once
 
 #ifndef QK_HOST_EMU
+#include <atomic>
+
 #include <cuda_runtime.h>
 #endif
 
@@ -31,17 +33,28 @@ __device__ __forceinline__ void allow_next_grid() {
 }
 
 #ifndef QK_HOST_EMU
-// Whether `device` can launch with overlap (sm_90+), asked once per device.
-inline bool overlap_supported(int device) {
-  static int major[64] = {0};
+// Whether Kernel may be launched with overlap on `device`: the GPU is sm_90+ and the kernel was compiled
+// for it (PTX 9.0+: a build for an older architecture, JIT-compiled on a Hopper, has no wait in it and
+// would read x early). Asked once per kernel and device.
+template <auto Kernel>
+bool overlap_supported(int device) {
+  static std::atomic<int> known[64];  // 0 = not asked yet, 1 = no, 2 = yes
   if (device < 0 || device >= 64) return false;
-  if (major[device] == 0 && cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return false;
-  return major[device] >= 9;
+  int state = known[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0;
+    cudaFuncAttributes attributes{};
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaFuncGetAttributes(&attributes, Kernel) == cudaSuccess;
+    state = ok && major >= 9 && attributes.ptxVersion >= 90 ? 2 : 1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
-// `overlap` (overlap_supported() must hold).
+// `overlap` (overlap_supported() must hold). A failed launch's error is returned and cleared, so the
+// next CUDA call does not report it again.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool overlap, Args... args) {
@@ -55,7 +68,9 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = overlap ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, args...);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
 }
 #endif
 

@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
   __shared__ float tsum[NT * BP];
   __shared__ int s_last;
 
-  qk::allow_next_grid();  // one wave of blocks: all are running, the next kernel may be scheduled
+  qk::allow_next_grid();  // a grid of one wave (the default) has all its blocks running by now
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
@@ -859,7 +859,7 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
   __shared__ int s_last;
-  qk::allow_next_grid();  // one wave of blocks, as the LUT kernel
+  qk::allow_next_grid();  // as the LUT kernel
   const long long s0 = p.steps * blockIdx.x / gridDim.x;
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
@@ -1224,7 +1224,7 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (device >= 0 && device < 64) sm_count[device] = sms;
   }
   const int launches = (n + kMaxBatch - 1) / kMaxBatch, n_rt = max_row_tiles(k);
-  overlap = overlap && qk::overlap_supported(device);
+  overlap = overlap && qk::overlap_supported<lut_gemm_kernel<1>>(device);  // one build: one answer for all
   int* counters = reinterpret_cast<int*>(ws + size_t(n) * k);  // zero bits are int 0
   for (int l = 0; l < launches; ++l) {
     const int nb = n - l * kMaxBatch < kMaxBatch ? n - l * kMaxBatch : kMaxBatch;

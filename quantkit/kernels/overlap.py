@@ -41,7 +41,9 @@ def enabled():
     return _state["on"]
 
 
-_SETTLED_ATTR = "_overlap_weights"  # on the module: (weak reference, version) of each weight its last call read
+# per module, (weak reference, version) of each weight its last call read; kept here rather than on the
+# module, which then still pickles
+_last_weights = weakref.WeakKeyDictionary()
 
 
 def _version(tensor):
@@ -54,11 +56,11 @@ def settled(owner, *weights):
     version counters); else false, and the caller launches without overlap this once. Tensors that are
     None are skipped. Weak references: a tensor freed and another made at its address is not the same."""
     weights = [w for w in weights if w is not None]
-    last = getattr(owner, _SETTLED_ATTR, None)
+    last = _last_weights.get(owner)
     if last is not None and len(last) == len(weights) and all(
             ref() is w and version == _version(w) for (ref, version), w in zip(last, weights)):
         return True
-    setattr(owner, _SETTLED_ATTR, tuple((weakref.ref(w), _version(w)) for w in weights))
+    _last_weights[owner] = tuple((weakref.ref(w), _version(w)) for w in weights)
     return False
 
 

@@ -26,9 +26,7 @@ from quantkit.kernels import anyprec_gemm as ag
 from quantkit.kernels import build
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (28672, 8192)]  # out x in
-# "all" = every flag; "-POPC" = the table-lookup kernel with the paper's three optimisations, and the
-# next three turn one of those off (they ablate the table kernel: POPC only runs at batch 1, k <= 3)
-VARIANTS = {"all": ag.ALL_FLAGS, "-POPC": 7, "-LAYOUT": 6, "-IBT": 5, "-TLM": 3, "none": 0}
+VARIANTS = {"all": 7, "-LAYOUT": 6, "-IBT": 5, "-TLM": 3, "none": 0}
 
 
 def graph_time(calls, min_calls=40, rounds=7):
@@ -83,14 +81,13 @@ class Parent:
                 + batch * self.cols * 2 + batch * self.rows * 2)
 
 
-def kernel_calls(ext, parent, bits, x, out, flags=ag.ALL_FLAGS, tiles=None, natural=False):
+def kernel_calls(ext, parent, bits, x, out, flags=7, tiles=None, natural=False):
     calls = []
-    ws = ag.new_workspace(parent.rows, x.device, ext)  # the calls run one after the other
     for i, planes in enumerate(parent.planes):
         p = parent.natural[i] if natural else planes
         lut = parent.luts[i][bits]
         t = tiles if tiles is not None else ag.choose_tiles(bits, parent.rows, x.shape[0], x.device, ext)
-        calls.append(lambda p=p, lut=lut, t=t: ext.matvec(x, p, lut, bits, parent.words, None, out, flags, t, False, ws))
+        calls.append(lambda p=p, lut=lut, t=t: ext.matvec(x, p, lut, bits, parent.words, None, out, flags, t))
     return calls
 
 
@@ -176,8 +173,6 @@ def main():
                     for name, flags in VARIANTS.items():
                         if not ext.has_matvec(torch.float16, bits, 1, flags) or (name == "-TLM" and bits > 3):
                             continue
-                        if name == "-POPC" and not ag.uses_popc(bits, ag.ALL_FLAGS, batch):
-                            continue  # the same kernel as "all"
                         tk = graph_time(kernel_calls(ext, parent, bits, x, out, flags=flags, tiles=1,
                                                      natural=not flags & ag.FLAG_LAYOUT))
                         base = tk if name == "all" else base
@@ -186,7 +181,7 @@ def main():
                                                     "vs_all": tk / base})
                     for tiles in (1, 2):
                         if ext.has_matvec(torch.float16, bits, tiles, 7):
-                            tk = graph_time(kernel_calls(ext, parent, bits, x, out, flags=7, tiles=tiles))
+                            tk = graph_time(kernel_calls(ext, parent, bits, x, out, tiles=tiles))
                             results["tiles"].append({"shape": [rows, cols], "bits": bits, "batch": batch,
                                                      "tiles": tiles, "us": tk * 1e6})
         if not args.no_switch and (rows, cols) in [(11008, 4096), (28672, 8192)]:

@@ -316,42 +316,6 @@ def test_one_bit_artifact(ext):
     assert _rel_err(y, _reference(qt, x, 1)) < REL_TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(5, 40), (257, 800), (300, 4096 + 96), (1000, 2304)])
-def test_bit_serial_kernel_matches_reference_and_the_table_kernel(ext, dtype, rows, cols):
-    """Batch 1 at k <= 3 runs the bit-serial kernel (FLAG_POPC): x as fixed-point bit planes per
-    256-column chunk, so x spans a wide dynamic range here (a chunk's small values keep fewer bits).
-    It must match the reference, agree with the table kernel (flags without POPC), and leave its
-    workspace zero for the next launch (a stale sum or counter would show in the second run)."""
-    qt = _artifact(rows, cols, 1, 4, seed=rows + cols, device="cuda")
-    planes = ag.kernel_layout(qt.planes)
-    words = -(-cols // 32)
-    g = torch.Generator(device="cuda").manual_seed(cols)
-    scale = torch.exp2(torch.randint(-12, 8, (1, cols), generator=g, device="cuda").float())
-    bias = torch.randn(rows, generator=g, device="cuda").to(dtype)
-    ws = ag.new_workspace(rows, "cuda", ext)
-    for bits in (1, 2, 3):
-        assert ag.uses_popc(bits, ag.ALL_FLAGS, 1)
-        for run in range(2):
-            x = (torch.randn(1, cols, generator=g, device="cuda") * scale).to(dtype)
-            out = torch.full((1, rows), float("nan"), dtype=dtype, device="cuda")
-            y = ag.matvec(x, planes, qt.luts[bits], bits, words, bias, out=out, ext=ext, workspace=ws)
-            ref = _reference(qt, x, bits, bias)
-            assert _rel_err(y, ref) < REL_TOL, (bits, run, _rel_err(y, ref))
-            assert not ws.any(), "the workspace must be zero again after each launch"
-        if bits >= 3 and dtype == torch.float16:  # the table kernel is built for k >= 3 in every variant
-            table = ag.matvec(x, planes, qt.luts[bits], bits, words, bias, flags=ag.ALL_FLAGS & ~ag.FLAG_POPC, ext=ext)
-            assert _rel_err(y, table.float()) < REL_TOL
-
-
-def test_bit_serial_kernel_refuses_a_missing_workspace(ext):
-    qt = _artifact(32, 128, 3, 3, device="cuda")
-    x = torch.randn(1, 128, device="cuda").half()
-    out = torch.empty(1, 32, dtype=torch.float16, device="cuda")
-    with pytest.raises(RuntimeError, match="workspace"):
-        ext.matvec(x, ag.kernel_layout(qt.planes), qt.luts[3], 3, 4, None, out, ag.ALL_FLAGS, 1, False, None)
-
-
 @pytest.mark.parametrize("flags", [0, 3, 4, 5, 6, 7])
 def test_every_built_variant_matches_reference(ext, flags):
     rows, cols = 72, 1024  # 32 words: the natural layout needs a multiple of 4

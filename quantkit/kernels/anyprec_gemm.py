@@ -8,9 +8,7 @@ switches the width at run time without a reload; the kernel reads the top k plan
 Two paths, chosen by the number of rows of x (all leading dims flattened):
   rows <= MATVEC_MAX_ROWS[...]: the matvec kernel, 8 rows per launch (the mma's N). It reads the
       planes in the kernel layout (`kernel_layout`, made once per device and cached on the module:
-      one extra copy of the planes, n bits per weight). A single row at k <= 3 runs the bit-serial
-      kernel instead (csrc/anyprec_bitserial.h, flag POPC: binary tensor-core matvecs of the plane
-      products, no decode), with a small zero workspace kept on the module;
+      one extra copy of the planes, n bits per weight);
   more rows, or fp32 input: the dequantize kernel writes the k-bit weight in x.dtype, then F.linear
       (cuBLAS). With module.cache_weight the weight is kept under QuantLinear's cache key
       (device, dtype, bits), as the reference path does.
@@ -29,9 +27,7 @@ from quantkit.kernels import build, overlap
 from quantkit.kernels.dispatch import register
 
 FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
-FLAG_POPC = 8  # ours: the bit-serial kernel for one row at k <= POPC_MAX_BITS (needs FLAG_LAYOUT)
-ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM | FLAG_POPC
-POPC_MAX_BITS = 3
+ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
 MAX_BATCH = 8  # rows of x per matvec launch
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
@@ -107,40 +103,17 @@ def choose_tiles(bits, rows_out, batch, device, ext):
     return 1
 
 
-def uses_popc(bits, flags, batch):
-    """Whether a launch of `batch` rows (1..8) runs the bit-serial kernel."""
-    return batch == 1 and bits <= POPC_MAX_BITS and flags & FLAG_POPC and flags & FLAG_LAYOUT
-
-
-def new_workspace(rows_out, device, ext=None):
-    """A zero workspace for the bit-serial kernel (it leaves it zero after each launch)."""
-    ext = ext or build.load("anyprec")
-    return torch.zeros(ext.popc_workspace_elems(rows_out), dtype=torch.int32, device=device)
-
-
-def kept_workspace(module, device, ext=None):
-    """The module's bit-serial workspace on `device`, made on first use."""
-    kept = getattr(module, "_anyprec_workspace", None)
-    if kept is None or kept.device != device:
-        kept = new_workspace(module.out_features, device, ext)
-        module._anyprec_workspace = kept
-    return kept
-
-
 def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None,
-           overlapped=False, workspace=None):
+           overlapped=False):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
     planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
     must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
     overlapped: launch with overlap (kernels/overlap.py; planes and lut must not be written by the
-    kernels just before). workspace: for the bit-serial kernel (new_workspace / kept_workspace; made
-    here when needed and not given). Two launches must not share one at the same time.
+    kernels just before).
     """
     ext = ext or build.load("anyprec")
     rows, cols = x2.shape
-    if workspace is None and uses_popc(bits, flags, (rows - 1) % MAX_BATCH + 1):
-        workspace = new_workspace(lut.shape[0], x2.device, ext)
     width = 32 * words
     if cols != width or not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = F.pad(x2, (0, width - cols)).contiguous()  # zero columns: padding codes meet zeros
@@ -150,7 +123,7 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=No
         tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
     for start in range(0, rows, MAX_BATCH):
         ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
-                   out[start:start + MAX_BATCH], flags, tiles, overlapped, workspace)
+                   out[start:start + MAX_BATCH], flags, tiles, overlapped)
     return out
 
 
@@ -197,8 +170,7 @@ def forward(module, x):
     words = -(-cols // 32)
     planes = prepared_planes(module)
     overlapped = overlap.enabled() and overlap.settled(module, planes, lut)
-    workspace = kept_workspace(module, x.device, ext) if bits <= POPC_MAX_BITS else None
-    y = matvec(x2, planes, lut, bits, words, bias, ext=ext, overlapped=overlapped, workspace=workspace)
+    y = matvec(x2, planes, lut, bits, words, bias, ext=ext, overlapped=overlapped)
     return y.reshape(*x.shape[:-1], rows_out)
 
 

@@ -6,11 +6,10 @@
 
 at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& lut, int64_t k,
                           int64_t words, const std::optional<at::Tensor>& bias, const at::Tensor& out, int64_t flags,
-                          int64_t tiles, bool overlap, const std::optional<at::Tensor>& workspace);
+                          int64_t tiles, bool overlap);
 at::Tensor anyprec_dequantize(const at::Tensor& planes, const at::Tensor& lut, int64_t k, int64_t in_features,
                               const at::Tensor& out);
 bool anyprec_has_matvec(at::ScalarType dtype, int64_t k, int64_t tiles, int64_t flags);
-int64_t anyprec_popc_workspace_elems(int64_t M);
 
 constexpr int kMaxBatch = 8;  // anyprec.cu anyprec::kMaxBatch (the mma's N)
 
@@ -18,12 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Any-precision bitplane matvec and dequantize kernels (quantkit)";
   m.def("matvec", &anyprec_matvec, "y = x @ W_k^T (+ bias) from the top k bitplanes, batch 1..8", py::arg("x"),
         py::arg("planes"), py::arg("lut"), py::arg("bits"), py::arg("words"), py::arg("bias"), py::arg("out"),
-        py::arg("flags") = 7, py::arg("tiles") = 1, py::arg("overlap") = false, py::arg("workspace") = py::none());
+        py::arg("flags") = 7, py::arg("tiles") = 1, py::arg("overlap") = false);
   m.def("dequantize", &anyprec_dequantize, "dequantize the top k bitplanes into out [M, in_features]",
         py::arg("planes"), py::arg("lut"), py::arg("bits"), py::arg("in_features"), py::arg("out"));
   m.def("has_matvec", &anyprec_has_matvec, "whether an instance for (dtype, bits, tiles, flags) was built",
         py::arg("dtype"), py::arg("bits"), py::arg("tiles"), py::arg("flags"));
-  m.def("popc_workspace_elems", &anyprec_popc_workspace_elems,
-        "int32 elements of the bit-serial kernel's workspace for M output rows", py::arg("M"));
   m.attr("MAX_BATCH") = kMaxBatch;
 }

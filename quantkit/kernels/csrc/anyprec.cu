@@ -88,7 +88,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxBatch = 8;  // the mma's N
 constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4;
-constexpr int FLAG_POPC = 8;  // batch 1, k <= 3, kernel layout: the bit-serial kernel (anyprec_bitserial.h)
 
 enum Status { kOk = 0, kUnsupported = 1, kBadArgs = 2, kLaunchFailed = 3 };
 
@@ -536,8 +535,8 @@ AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const Prmt
 
 // Instances built: every width in fp16 and bf16 with all optimisations (TILES = 2 where the
 // replicated tables fit, k <= 6); the ablations in fp16, k = 3..8, TILES = 1. `flags` is
-// normalised first (TLM only changes k <= 3; POPC picks another kernel, where it applies).
-constexpr int normalize_flags(int k, int flags) { return (k > 3 ? (flags | FLAG_TLM) : flags) & 7; }
+// normalised first (TLM only changes k <= 3).
+constexpr int normalize_flags(int k, int flags) { return k > 3 ? (flags | FLAG_TLM) : flags; }
 
 constexpr bool compiled_rule(bool half, int k, int tiles, int flags) {
   const bool prod = flags == 7 && (tiles == 1 || (tiles == 2 && k <= 6));
@@ -563,7 +562,6 @@ struct MatvecArgs {
   const uint16_t* lut;  // fp16 [M, 2^K]
   const void* bias;     // T [M] or nullptr
   void* out;            // T [B, M]
-  int32_t* workspace;   // the bit-serial kernel's (popc_workspace_elems(M), zero between launches) or nullptr
   Pow2 pow2;            // pow2.v[i] = 1 << i (filled by launch_matvec)
 };
 
@@ -734,8 +732,6 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
   }
 }
 
-#include "anyprec_bitserial.h"
-
 // bits of the stored fp16 centroid in the output type
 template <typename OutT>
 __device__ __forceinline__ uint32_t centroid_out_bits(uint16_t h) {
@@ -849,41 +845,12 @@ int launch_flags(int k, int flags, const MatvecArgs& a, const Launch& s) {
   }
 }
 
-// Whether launch_matvec runs the bit-serial kernel (it then needs MatvecArgs::workspace).
-bool popc_applies(int dtype, int k, int batch, int flags) {
-  return (dtype == 0 || dtype == 1) && (flags & FLAG_POPC) && (flags & FLAG_LAYOUT) && batch == 1 && k >= 1 &&
-         k <= kPopcMaxK;
-}
-
-template <typename T>
-int launch_popc_k(int k, const PopcArgs& p, const Launch& on, int sms) {
-  switch (k) {
-    case 1: on.error = launch_popc<T, 1>(p, on.stream, on.overlap, on.device, sms); break;
-    case 2: on.error = launch_popc<T, 2>(p, on.stream, on.overlap, on.device, sms); break;
-    case 3: on.error = launch_popc<T, 3>(p, on.stream, on.overlap, on.device, sms); break;
-    default: return kUnsupported;
-  }
-  return on.error == cudaSuccess ? kOk : kLaunchFailed;
-}
-
 // dtype: 0 = fp16, 1 = bf16
 int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args, const Launch& on) {
   MatvecArgs a = args;
   for (int i = 0; i < 32; ++i) a.pow2.v[i] = 1u << i;
   if (a.B < 1 || a.B > kMaxBatch || a.M < 1 || a.W < 1 || a.wstride < a.W || a.wstride % 4 != 0 || a.ldx < 32 * a.W)
     return kBadArgs;
-  if (popc_applies(dtype, k, a.B, flags)) {
-    if (a.workspace == nullptr) return kBadArgs;
-    static int sm_count[64] = {0};  // per device, asked once
-    int sms = on.device >= 0 && on.device < 64 ? sm_count[on.device] : 0;
-    if (sms == 0) {
-      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, on.device) != cudaSuccess) return kLaunchFailed;
-      if (on.device >= 0 && on.device < 64) sm_count[on.device] = sms;
-    }
-    const PopcArgs p{a.x, a.planes, a.M, a.W, a.wstride, a.lut, a.bias, a.out, reinterpret_cast<float*>(a.workspace),
-                     a.workspace + a.M, (a.W + kPopcStepWords - 1) / kPopcStepWords, 0, 0};
-    return dtype == 0 ? launch_popc_k<__half>(k, p, on, sms) : launch_popc_k<__nv_bfloat16>(k, p, on, sms);
-  }
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
   flags = normalize_flags(k, flags);
   if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, on) : launch_flags<__nv_bfloat16, 1>(k, flags, a, on);
@@ -951,11 +918,10 @@ void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, in
 // out[b, r] = sum_c x[b, c] * lut[r, code_k(r, c)] (+ bias[r]); x [B <= 8, ldx] holds at least
 // 32 * words columns, zero past in_features; planes in the layout `flags` says (LAYOUT bit set:
 // anyprec_gemm.kernel_layout). overlap: programmatic dependent launch on sm_90+ (grid_dependency.h).
-// workspace: int32 [>= popc_workspace_elems(M)], all zero, needed where the bit-serial kernel runs
-// (flags has POPC and LAYOUT, batch 1, k <= 3); it is zero again when the kernel ends. Returns out.
+// Returns out.
 at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& lut, int64_t k,
                           int64_t words, const std::optional<at::Tensor>& bias, const at::Tensor& out, int64_t flags,
-                          int64_t tiles, bool overlap, const std::optional<at::Tensor>& workspace) {
+                          int64_t tiles, bool overlap) {
   check_planes(planes, lut, k, words);
   const int dt = dtype_code(x);
   QK_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
@@ -991,21 +957,10 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   QK_CHECK(reinterpret_cast<uintptr_t>(planes.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(lut.data_ptr()) % 16 == 0,
            "anyprec.matvec: planes and lut must be 16-byte aligned");
 
-  int32_t* ws_ptr = nullptr;
-  if (anyprec::popc_applies(dt, int(k), int(B), int(flags))) {
-    const int64_t need = anyprec::popc_workspace_elems(M);
-    QK_CHECK(workspace.has_value() && workspace->is_cuda() && workspace->scalar_type() == at::kInt &&
-                 workspace->is_contiguous() && workspace->numel() >= need && workspace->device() == x.device(),
-             "anyprec.matvec: the bit-serial kernel (flags ", flags, ", batch 1, bits ", k,
-             ") needs a zero contiguous int32 workspace of >= ", need, " elements on ", x.device(),
-             " (anyprec_gemm.new_workspace)");
-    ws_ptr = workspace->data_ptr<int32_t>();
-  }
-
   const c10::cuda::CUDAGuard guard(x.device());
   anyprec::MatvecArgs a{x.data_ptr(), int(x.size(1)), int(B), reinterpret_cast<const uint32_t*>(planes.data_ptr()),
                         int(M), int(words), int(planes.size(2)), reinterpret_cast<const uint16_t*>(lut.data_ptr()),
-                        bias_ptr, out.data_ptr(), ws_ptr, {}};
+                        bias_ptr, out.data_ptr(), {}};
   const anyprec::Launch on{c10::cuda::getCurrentCUDAStream(), overlap, x.device().index()};
   const int rc = anyprec::launch_matvec(dt, int(k), int(tiles), int(flags), a, on);
   QK_CHECK(rc == 0, "anyprec.matvec failed (", status_text(rc),
@@ -1039,8 +994,6 @@ at::Tensor anyprec_dequantize(const at::Tensor& planes, const at::Tensor& lut, i
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
-
-int64_t anyprec_popc_workspace_elems(int64_t M) { return anyprec::popc_workspace_elems(M); }
 
 bool anyprec_has_matvec(at::ScalarType dtype, int64_t k, int64_t tiles, int64_t flags) {
   const int dt = dtype == at::kHalf ? 0 : dtype == at::kBFloat16 ? 1 : -1;

@@ -398,6 +398,115 @@ def test_two_ranks_write_the_one_process_artifact_and_resume_across_world_sizes(
     assert _files(killed) == _files(single)
 
 
+class _ThreadRanks:
+    """Two ranks as threads of one process: the broadcasts of engine.distributed.Ranks, in the same
+    order on every rank (as the engine guarantees), carried by one queue per receiving rank."""
+
+    distributed = True
+    world_size = 2
+
+    def __init__(self, rank, inboxes, events):
+        self.rank, self.inboxes, self.events = rank, inboxes, events
+
+    def owner(self, index):
+        return index % self.world_size
+
+    def _broadcast(self, value, src):
+        self.events.append((self.rank, "broadcast"))
+        if self.rank == src:
+            for rank, inbox in enumerate(self.inboxes):
+                if rank != src:
+                    inbox.put(value)
+            return value
+        return self.inboxes[self.rank].get(timeout=60)
+
+    def broadcast_json(self, header, src):
+        return self._broadcast(header, src)
+
+    def broadcast_tensors(self, tensors, spec, src):
+        return self._broadcast(tensors, src)
+
+
+class _LoggedMethod:
+    """RTN that logs (rank, "quantize") per call, its thread's name being the rank, and fails on the
+    linear with `fail_rows` rows."""
+
+    stats = ()
+    name = "logged-rtn"
+
+    def __init__(self, events, fail_rows=None):
+        from quantkit.methods import make_method
+
+        self.rtn, self.events, self.fail_rows = make_method("rtn", bits=3, group_size=32), events, fail_rows
+
+    def quantize(self, weight, stats):
+        import threading
+
+        from quantkit.errors import QuantkitError
+
+        self.events.append((int(threading.current_thread().name), "quantize"))
+        if weight.shape[0] == self.fail_rows:
+            raise QuantkitError("deliberate failure")
+        return self.rtn.quantize(weight, stats)
+
+
+def _linears():
+    g = torch.Generator().manual_seed(3)
+    linears = [torch.nn.Linear(64, 16 + 8 * i, bias=False).requires_grad_(False) for i in range(5)]
+    for linear in linears:
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=g))
+    return [(i, f"m{i}", linear, None) for i, linear in enumerate(linears)]
+
+
+def _two_ranks(fail_rows=None):
+    """Runs _quantize_together on two thread ranks; returns ({rank: results or exception}, events)."""
+    import queue
+    import threading
+
+    from quantkit.engine.driver import _quantize_together
+
+    inboxes, events, results = [queue.Queue(), queue.Queue()], [], {}
+    method = _LoggedMethod(events, fail_rows)
+
+    def rank_main(rank):
+        try:
+            results[rank] = _quantize_together(_ThreadRanks(rank, inboxes, events), _linears(), method, "cpu")
+        except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), name=str(rank)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a rank is still waiting: the broadcasts did not pair up"
+    return results, events
+
+
+def test_ranks_quantize_all_their_linears_before_sharing_and_fail_together():
+    """engine.driver._quantize_together: each rank quantizes every linear it owns before its first
+    broadcast (so the ranks work at once, not in turn), both ranks end with the one-process tensors,
+    and a failure on one rank's second linear is raised on both ranks, neither left waiting."""
+    from quantkit.engine.distributed import Ranks
+    from quantkit.engine.driver import _quantize_together
+    from quantkit.errors import QuantkitError
+
+    alone = _quantize_together(Ranks(), _linears(), _LoggedMethod([]).rtn, "cpu")
+    results, events = _two_ranks()
+    for rank in (0, 1):
+        assert not isinstance(results[rank], Exception), results[rank]
+        assert len(results[rank]) == len(alone)
+        for (got, _), (want, _) in zip(results[rank], alone):
+            assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+        mine = [event for r, event in events if r == rank]
+        assert mine.count("quantize") == (3 if rank == 0 else 2)
+        assert mine[: mine.count("quantize")] == ["quantize"] * mine.count("quantize"), mine
+
+    results, events = _two_ranks(fail_rows=16 + 8 * 3)  # linear 3: rank 1's second
+    assert isinstance(results[1], QuantkitError) and "deliberate failure" in str(results[1])
+    assert isinstance(results[0], QuantkitError) and "rank 1 failed on m3: deliberate failure" in str(results[0])
+
+
 # --- accelerator --------------------------------------------------------------------------------
 
 @pytest.mark.gpu

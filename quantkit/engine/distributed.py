@@ -5,8 +5,10 @@ Launched by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), e.g.
 Each rank holds the whole (CPU) model and its own share of the calibration windows:
   * calibration: rank r runs the layer on windows [r·n/W, (r+1)·n/W) only;
   * statistics: the Σ xᵀx of every rank is combined into the one Hessian every rank then uses;
-  * quantization: the linears of a layer are dealt round-robin; the owner quantizes and broadcasts
-    the stored tensors, every rank puts the same dequantized weights back for the next forward;
+  * quantization: the linears of a layer are dealt round-robin; each rank quantizes all of its
+    linears of a sequential group (so the ranks work at once), then the owners broadcast the stored
+    tensors in the group's order and every rank puts the same dequantized weights back for the next
+    forward (engine.driver._quantize_together);
   * rank 0 writes checkpoints' quantized tensors, the artifact and the log.
 
 Identity with one process. fp32 addition is not associative, so "sum the per-rank partial sums" gives

@@ -122,34 +122,50 @@ def _quantize_linear(method, name, linear, stats, device):
     return qtensor.to("cpu"), entry
 
 
-def _quantize_shared(ranks, owner, method, name, linear, stats, device):
-    """_quantize_linear on the owning rank; the others receive its tensors and log entry and put the
-    same dequantized weight back. Any failure on the owner is raised on every rank."""
+def _quantize_together(ranks, jobs, method, device):
+    """Quantize the linears `jobs` ([(global position, name, linear, stats)], independent of each
+    other: one sequential group, or a layer without calibration) over the ranks. Each rank first
+    quantizes the linears it owns (ranks.owner), all of them, so the ranks work at the same time;
+    then, in the jobs' order, each owner broadcasts its tensors and log entry and the other ranks put
+    the same dequantized weight back. Any failure on an owner is raised on every rank, at that job.
+    Returns [(QuantizedTensor, entry)] in the jobs' order."""
     if not ranks.distributed:
-        return _quantize_linear(method, name, linear, stats, device)
+        return [_quantize_linear(method, name, linear, stats, device) for _, name, linear, stats in jobs]
     from quantkit.formats.base import quantized_tensor_from_state_dict
 
-    header, qtensor, failure = None, None, None
-    if ranks.rank == owner:
+    own = {}  # job index -> (qtensor, header, failure), for the jobs this rank owns
+    failed = False
+    for i, (position, name, linear, stats) in enumerate(jobs):
+        if ranks.owner(position) != ranks.rank:
+            continue
+        if failed:  # the job that failed stops this rank at its broadcast; the rest need not run
+            own[i] = (None, {"error": "not run after an earlier failure"}, None)
+            continue
         try:
             qtensor, entry = _quantize_linear(method, name, linear, stats, device)
-            tensors = qtensor.state_dict()
-            spec = [[k, str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in tensors.items()]
-            header = {"meta": qtensor.meta(), "entry": entry, "spec": spec}
+            spec = [[k, str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in qtensor.state_dict().items()]
+            own[i] = (qtensor, {"meta": qtensor.meta(), "entry": entry, "spec": spec}, None)
         except Exception as exc:  # tell the other ranks before failing, or they wait forever
-            failure = exc
-            header = {"error": str(exc) if isinstance(exc, QuantkitError) else f"{type(exc).__name__}: {exc}"}
-    header = ranks.broadcast_json(header, src=owner)
-    if "error" in header:
-        if failure is not None:
-            raise failure
-        raise QuantkitError(f"rank {owner} failed on {name}: {header['error']}")
-    tensors = ranks.broadcast_tensors(qtensor.state_dict() if qtensor is not None else None, header["spec"], owner)
-    if qtensor is None:
-        qtensor = quantized_tensor_from_state_dict(header["meta"], tensors)
-        dequant = qtensor.to(device).dequantize(torch.float32)
-        linear.weight.data = dequant.to(device=linear.weight.device, dtype=linear.weight.dtype)
-    return qtensor, header["entry"]
+            failed = True
+            message = str(exc) if isinstance(exc, QuantkitError) else f"{type(exc).__name__}: {exc}"
+            own[i] = (None, {"error": message}, exc)
+
+    results = []
+    for i, (position, name, linear, _) in enumerate(jobs):
+        owner = ranks.owner(position)
+        qtensor, header, failure = own.get(i, (None, None, None))
+        header = ranks.broadcast_json(header, src=owner)
+        if "error" in header:
+            if failure is not None:
+                raise failure
+            raise QuantkitError(f"rank {owner} failed on {name}: {header['error']}")
+        tensors = ranks.broadcast_tensors(qtensor.state_dict() if qtensor is not None else None, header["spec"], owner)
+        if qtensor is None:
+            qtensor = quantized_tensor_from_state_dict(header["meta"], tensors)
+            dequant = qtensor.to(device).dequantize(torch.float32)
+            linear.weight.data = dequant.to(device=linear.weight.device, dtype=linear.weight.dtype)
+        results.append((qtensor, header["entry"]))
+    return results
 
 
 @torch.no_grad()
@@ -184,13 +200,11 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
 
     if calib_ids is None:
         for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
-            layer_q, layer_entries = {}, []
-            for position, (name, linear) in enumerate(adapter.linears(layers[index]).items()):
-                full = f"{prefix}.{index}.{name}"
-                owner = ranks.owner(index * per_layer + position)
-                layer_q[full], entry = _quantize_shared(ranks, owner, method, full, linear, None, device)
-                layer_entries.append(entry)
-            finish_layer(index, layer_q, layer_entries)
+            jobs = [(index * per_layer + position, f"{prefix}.{index}.{name}", linear, None)
+                    for position, (name, linear) in enumerate(adapter.linears(layers[index]).items())]
+            done = _quantize_together(ranks, jobs, method, device)
+            layer_q = {name: qtensor for (_, name, _, _), (qtensor, _) in zip(jobs, done)}
+            finish_layer(index, layer_q, [entry for _, entry in done])
         return qtensors, log_entries
 
     nwindows = calib_ids.shape[0]
@@ -220,15 +234,16 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
             del collector
             if not torch.isfinite(stats["xtx"]).all():
                 raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN or Inf")
+            jobs = []
             for name in group:
                 full = f"{prefix}.{index}.{name}"
                 extra = (module_stats or {}).get(full)
-                module_in = stats if extra is None else {**stats, **extra}
-                owner = ranks.owner(index * per_layer + position)
-                layer_q[full], entry = _quantize_shared(ranks, owner, method, full, linears[name], module_in, device)
-                layer_entries.append(entry)
+                jobs.append((index * per_layer + position, full, linears[name], stats if extra is None else {**stats, **extra}))
                 position += 1
-            del stats
+            for (_, full, _, _), (qtensor, entry) in zip(jobs, _quantize_together(ranks, jobs, method, device)):
+                layer_q[full] = qtensor
+                layer_entries.append(entry)
+            del stats, jobs
         last = index == len(layers) - 1
         if not last:  # the last layer's outputs feed nothing that is quantized
             inputs = _run_layer(layer, inputs, args, kwargs)

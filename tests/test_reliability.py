@@ -490,8 +490,9 @@ def test_ranks_quantize_all_their_linears_before_sharing_and_fail_together():
     from quantkit.engine.distributed import Ranks
     from quantkit.engine.driver import _quantize_together
     from quantkit.errors import QuantkitError
+    from quantkit.methods import make_method
 
-    alone = _quantize_together(Ranks(), _linears(), _LoggedMethod([]).rtn, "cpu")
+    alone = _quantize_together(Ranks(), _linears(), make_method("rtn", bits=3, group_size=32), "cpu")
     results, events = _two_ranks()
     for rank in (0, 1):
         assert not isinstance(results[rank], Exception), results[rank]

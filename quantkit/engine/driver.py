@@ -134,21 +134,17 @@ def _quantize_together(ranks, jobs, method, device):
     from quantkit.formats.base import quantized_tensor_from_state_dict
 
     own = {}  # job index -> (qtensor, header, failure), for the jobs this rank owns
-    failed = False
     for i, (position, name, linear, stats) in enumerate(jobs):
         if ranks.owner(position) != ranks.rank:
-            continue
-        if failed:  # the job that failed stops this rank at its broadcast; the rest need not run
-            own[i] = (None, {"error": "not run after an earlier failure"}, None)
             continue
         try:
             qtensor, entry = _quantize_linear(method, name, linear, stats, device)
             spec = [[k, str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in qtensor.state_dict().items()]
             own[i] = (qtensor, {"meta": qtensor.meta(), "entry": entry, "spec": spec}, None)
         except Exception as exc:  # tell the other ranks before failing, or they wait forever
-            failed = True
             message = str(exc) if isinstance(exc, QuantkitError) else f"{type(exc).__name__}: {exc}"
             own[i] = (None, {"error": message}, exc)
+            break  # every rank stops at this job's broadcast: this rank's later jobs are never shared
 
     results = []
     for i, (position, name, linear, _) in enumerate(jobs):

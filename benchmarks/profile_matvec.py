@@ -2,7 +2,13 @@
 shapes) for Nsight Compute to profile: the goal shapes of issues 8 and 9 at batch 1.
 
   ncu --clock-control none --set full -k regex:'lut_gemm|matvec|gemv' python3 benchmarks/profile_matvec.py
+  ncu --clock-control none --set full -k regex:bcq_mma python3 benchmarks/profile_matvec.py --bcq-only --batch 8
+
+--bcq-only --batch B --bits q: only the LUT-GEMM call, at B columns of x (5..8 run the tensor-core
+kernel) and q sign planes.
 """
+
+import argparse
 
 import torch
 
@@ -11,18 +17,27 @@ from quantkit.kernels import build, lutgemm
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bcq-only", action="store_true", help="profile only the LUT-GEMM call")
+    parser.add_argument("--batch", type=int, default=1, help="columns of x for the LUT-GEMM call (1..8)")
+    parser.add_argument("--bits", type=int, default=3, help="sign planes q of the LUT-GEMM weight")
+    args = parser.parse_args()
     torch.manual_seed(0)
     lut_ext, ap_ext = build.load("lutgemm"), build.load("anyprec")
-    rows, cols = 49152, 12288
+    rows, cols, q = 49152, 12288, args.bits
     t = lutgemm.BCQTensors(
-        qweight=torch.randint(-(2**31), 2**31 - 1, (3, cols // 32, rows), dtype=torch.int32, device="cuda"),
-        alpha=((torch.rand(cols // 128, 3, rows, device="cuda") + 0.5) * 0.02).half(),
+        qweight=torch.randint(-(2**31), 2**31 - 1, (q, cols // 32, rows), dtype=torch.int32, device="cuda"),
+        alpha=((torch.rand(cols // 128, q, rows, device="cuda") + 0.5) * 0.02).half(),
         offset=None, group_size=128, in_features=cols)
-    x = torch.randn(1, cols, device="cuda").half()
+    x = torch.randn(args.batch, cols, device="cuda").half()
     w = torch.randn(rows, cols, device="cuda").half()
     for _ in range(2):  # the second round is the one to read (warm clocks, loaded modules)
         lutgemm.lut_matmul(x, t, ops=lut_ext)
         torch.mm(x, w.t())
+    if args.bcq_only:
+        torch.cuda.synchronize()
+        print("profile_matvec done")
+        return
     rows, cols = 28672, 8192
     nat = torch.randint(-2**31, 2**31, (8, rows, cols // 32), device="cuda", dtype=torch.int64).to(torch.int32)
     planes = ag.kernel_layout(nat)

@@ -690,8 +690,9 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
 // leaves in each half either 0 or the fp16 subnormal 2^(κ−24), i.e. bit·2^(κ−24). x's fragment of
 // k-step κ is pre-scaled by 2^−κ once per chunk (exact but for x below 2^−7, which loses at most
 // 2^−25 to subnormal rounding), so every product is bit·x·2^−24 and the 8 k-steps share one
-// accumulator: D = 2^−24·Σ bit·x. A sign ±1 = 2·bit − 1, so plane i adds α_i·2^25·D and the chunk
-// subtracts (Σ_i α_i)·Σx once (with the offset: adds (z − Σ_i α_i)·Σx); Σx comes from 8 mmas of an
+// accumulator: D = 2^−24·Σ bit·x. A sign ±1 = 2·bit − 1, so plane i adds α_i·2^25·(D − 2^−25·Σx):
+// each plane's mma chain starts from −2^−25·Σx instead of zero, and the warp keeps its sums in units
+// of 2^25 until they leave it (the offset adds z·Σx per chunk); Σx comes from 8 mmas of an
 // all-ones A on x's fragments before they are scaled. The host emulation checks this algebra and
 // the layout; the device tests (fp32 reference) check that the tensor cores keep subnormal operands.
 // (Putting the bits on the fp16 sign bits instead costs a shift per pair: 50 % more instructions.)
@@ -829,6 +830,56 @@ __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, in
   }
 }
 
+// The same copies as mma_issue_x + mma_issue_weights for a unit whose rows, words and x columns all lie
+// inside the matrix (and x rows 16-byte aligned): no bounds checks, and the per-lane parts of the
+// addresses computed once per launch (MmaLane). ncu (H100, 49152×12288 q2 at 8 columns) counted the
+// general functions' address arithmetic and checks as 22 % of the kernel's instructions.
+struct MmaLane {
+  const __half* x;  // x + g·d + 32t: the lane's batch row at word t of chunk 0 (lanes past the batch: unread)
+  uint32_t w;       // t·k + r: plane 0's word t of chunk 0 at the lane's first row r of row tile 0
+  uint32_t r;       // warp·64 + 4g + 32·(t % 2): the rows of the lane's α / z quads in row tile 0
+  bool x_ok;        // g < nb
+};
+
+__device__ __forceinline__ MmaLane mma_lane(const LutParams& p, int lane, int warp) {
+  const uint32_t g = lane >> 2, t = lane & 3, k = uint32_t(p.k);
+  MmaLane l;
+  l.x_ok = int(g) < p.nb;
+  l.x = p.x + (l.x_ok ? g * uint32_t(p.d) + 32 * t : 0u);
+  l.w = t * k + warp * kMmaRowsPerWarp + 4 * g;
+  l.r = warp * kMmaRowsPerWarp + 4 * g + 32 * (t & 1);
+  return l;
+}
+
+__device__ __forceinline__ void mma_issue_interior(const LutParams& p, const MmaLane& l, int rt, int c, int lane,
+                                                   int warp, unsigned char* stage) {
+  const uint32_t k = uint32_t(p.k), q = uint32_t(p.q), t = lane & 3;
+  uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
+  const __half* xsrc = l.x + 32 * kMmaChunkWords * c;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, xsrc + 8 * v, l.x_ok);
+
+  const uint32_t row0 = uint32_t(rt) * kMmaTileRows;
+  const uint32_t wstride = uint32_t(p.W) * k;
+  const uint32_t* wsrc = p.qw + (uint32_t(c) * kMmaChunkWords * k + row0 + l.w);
+  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + 2 * lane;
+#pragma unroll 1
+  for (uint32_t i = 0; i < q; ++i, wsrc += wstride, w += 64) {
+    copy_async<16>(w, wsrc, true);
+    copy_async<16>(w + 1, wsrc + 32, true);
+  }
+
+  // α / z quads j ≡ t (mod 4), as in mma_issue_weights: plane j / 2 (the offset plane when it is q)
+  const uint32_t grp = word_group(c * kMmaChunkWords, p.group_magic), r = row0 + l.r;
+  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane +
+             (lane >> 2) + 8 * t;
+  uint32_t i = t >> 1;
+  const __half* asrc = p.alpha + (grp * q + i) * k + r;
+#pragma unroll 1
+  for (; i < q; i += 2, asrc += 2 * k, a += 32) copy_async<8>(a, asrc, true);
+  if (i == q && p.planes > p.q) copy_async<8>(a, p.offset + grp * k + r, true);
+}
+
 // B fragments of the 8 k-steps: b[κ] = (x at bits κ, κ+16), b[8+κ] = (x at bits κ+8, κ+24) of word t,
 // times 2^−κ; and Σx of the chunk per batch column (sums[0], sums[1]: columns 2t, 2t+1), from mmas
 // of an all-ones A on the fragments before they are scaled.
@@ -869,7 +920,11 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
   int ld_rt = int(s0 / p.n_ch), ld_c = int(s0 % p.n_ch);  // the next unit to copy
   int rt = ld_rt, c = ld_c;                               // the unit being computed
   int seg_steps = 0;
-  float acc[8][2];  // rows 4g + r (r < 4) and 32 + 4g + r - 4, batch columns 2t, 2t + 1
+  // units that mma_issue_interior may copy: whole row tiles, whole chunks of x (16-byte aligned rows)
+  const int inner_rt = p.k / kMmaTileRows, inner_ch = p.x_vec ? p.d / (32 * kMmaChunkWords) : 0;
+  const MmaLane copy_lane = mma_lane(p, lane, warp);
+  constexpr float kAccUnit = 0x1p25f;  // acc holds sums / 2^25 (see the plane loop)
+  float acc[8][2];  // rows 4g + r (r < 4) and 32 + 4g + r - 4, batch columns 2t, 2t + 1; units of 1 / kAccUnit
 #pragma unroll
   for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = 0.f;
   uint32_t bx[16];
@@ -894,8 +949,12 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
     __syncwarp();         // and the other lanes' (α quads are shared); the previous stage is consumed
     if (to_issue > 0) {   // refill the stage the previous unit read
       unsigned char* refill = smem + (slot == 0 ? S - 1 : slot - 1) * stage_bytes;
-      mma_issue_x(p, ld_c, lane, warp, refill);
-      mma_issue_weights(p, ld_rt, ld_c, lane, warp, refill);
+      if (ld_rt < inner_rt && ld_c < inner_ch) {
+        mma_issue_interior(p, copy_lane, ld_rt, ld_c, lane, warp, refill);
+      } else {
+        mma_issue_x(p, ld_c, lane, warp, refill);
+        mma_issue_weights(p, ld_rt, ld_c, lane, warp, refill);
+      }
       if (++ld_c == p.n_ch) ld_c = 0, ++ld_rt;
       --to_issue;
     }
@@ -914,7 +973,9 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
       mma_pack_x(u, bx, sums);
       sx0 = sums[0], sx1 = sums[1];
     }
-    float alpha_sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Units of 2^−25 (applied when the sums leave the warp): plane i adds α_i·(D_i − 2^−25·Σx), i.e.
+    // α_i·Σ(2·bit − 1)·x / 2^25, with −2^−25·Σx as the starting accumulator of its mma chain.
+    const float nsx0 = -sx0 * 0x1p-25f, nsx1 = -sx1 * 0x1p-25f;
     const uint4* ring_w = reinterpret_cast<const uint4*>(st + kMmaXBytes) + warp * 64 * q + 2 * lane;
     const uint2* ring_a =
         reinterpret_cast<const uint2*>(st + kMmaXBytes + 32 * q * kThreads) + warp * planes * kMmaQuadsPerPlane + (lane >> 2);
@@ -927,39 +988,30 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
       const float2 a2 = half2_bits_to_float2(qb.x), a3 = half2_bits_to_float2(qb.y);
       const float alpha[8] = {a0.x, a0.y, a1.x, a1.y, a2.x, a2.y, a3.x, a3.y};
 #pragma unroll
-      for (int r = 0; r < 8; ++r) alpha_sum[r] += alpha[r];
-#pragma unroll
       for (int tile = 0; tile < 4; ++tile) {
         const uint32_t lo = words[2 * tile], hi = words[2 * tile + 1];  // mma rows g and g + 8
         const uint32_t lo8 = lo >> 8, hi8 = hi >> 8;
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        float part[4] = {nsx0, nsx1, nsx0, nsx1};  // D(row, n) starts at −2^−25·Σx of batch column n
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
           const uint32_t a[4] = {bit_pair(lo, kk), bit_pair(hi, kk), bit_pair(lo8, kk), bit_pair(hi8, kk)};
           mma_16816(part, a, bx[kk], bx[8 + kk]);
         }
-        const float sa = alpha[2 * tile] * 33554432.f, sb = alpha[2 * tile + 1] * 33554432.f;  // α·2^25
-        acc[2 * tile][0] = fmaf(sa, part[0], acc[2 * tile][0]);
-        acc[2 * tile][1] = fmaf(sa, part[1], acc[2 * tile][1]);
-        acc[2 * tile + 1][0] = fmaf(sb, part[2], acc[2 * tile + 1][0]);
-        acc[2 * tile + 1][1] = fmaf(sb, part[3], acc[2 * tile + 1][1]);
+        acc[2 * tile][0] = fmaf(alpha[2 * tile], part[0], acc[2 * tile][0]);
+        acc[2 * tile][1] = fmaf(alpha[2 * tile], part[1], acc[2 * tile][1]);
+        acc[2 * tile + 1][0] = fmaf(alpha[2 * tile + 1], part[2], acc[2 * tile + 1][0]);
+        acc[2 * tile + 1][1] = fmaf(alpha[2 * tile + 1], part[3], acc[2 * tile + 1][1]);
       }
     }
-    {  // (z − Σα)·Σx: the −1 half of every sign, and the offset
-      float corr[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) corr[r] = -alpha_sum[r];
-      if (planes > q) {
-        const uint2 za = ring_a[2 * q * 8], zb = ring_a[(2 * q + 1) * 8];
-        const float2 z0 = half2_bits_to_float2(za.x), z1 = half2_bits_to_float2(za.y);
-        const float2 z2 = half2_bits_to_float2(zb.x), z3 = half2_bits_to_float2(zb.y);
-        corr[0] += z0.x, corr[1] += z0.y, corr[2] += z1.x, corr[3] += z1.y;
-        corr[4] += z2.x, corr[5] += z2.y, corr[6] += z3.x, corr[7] += z3.y;
-      }
+    if (planes > q) {  // the offset: z·Σx, in the same units
+      const uint2 za = ring_a[2 * q * 8], zb = ring_a[(2 * q + 1) * 8];
+      const float2 z0 = half2_bits_to_float2(za.x), z1 = half2_bits_to_float2(za.y);
+      const float2 z2 = half2_bits_to_float2(zb.x), z3 = half2_bits_to_float2(zb.y);
+      const float z[8] = {z0.x, z0.y, z1.x, z1.y, z2.x, z2.y, z3.x, z3.y};
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
-        acc[r][0] = fmaf(corr[r], sx0, acc[r][0]);
-        acc[r][1] = fmaf(corr[r], sx1, acc[r][1]);
+        acc[r][0] = fmaf(z[r], -nsx0, acc[r][0]);
+        acc[r][1] = fmaf(z[r], -nsx1, acc[r][1]);
       }
     }
     ++seg_steps;
@@ -972,8 +1024,8 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
 #pragma unroll
         for (int j = 0; j < 2; ++j)
           if (n0 + j < p.nb)
-            atomic_add4(p.ws + size_t(n0 + j) * p.k + row0 + 32 * h, acc[4 * h][j], acc[4 * h + 1][j],
-                        acc[4 * h + 2][j], acc[4 * h + 3][j]);
+            atomic_add4(p.ws + size_t(n0 + j) * p.k + row0 + 32 * h, kAccUnit * acc[4 * h][j], kAccUnit * acc[4 * h + 1][j],
+                        kAccUnit * acc[4 * h + 2][j], kAccUnit * acc[4 * h + 3][j]);
       }
       if (p.y != nullptr && complete_tile(p.counters + rt, seg_steps, p.n_ch, &s_last)) {
 #pragma unroll

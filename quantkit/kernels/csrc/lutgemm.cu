@@ -152,7 +152,7 @@ struct Cfg {
   static constexpr int kPieces = kEntryBytes / 4;              // builder lanes per entry (4 bytes each)
   static constexpr int kStages = LUT_STAGES;                   // S: ring stages, S - 1 steps in flight
   static constexpr int kStageBytes = kStepWords * kThreads * (16 + 8);  // words + α of one step, all lanes
-  // dynamic shared memory: LUT, ring, and slack to align the LUT to 128 bytes (its bank mapping)
+  // dynamic shared memory: LUT, ring, and slack to start the ring on a 128-byte boundary
   static constexpr int kSmemBytes = kLutBytes + kStages * kStageBytes + 128;
 };
 
@@ -523,9 +523,15 @@ __global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(cons
   const long long s1 = p.steps * (blockIdx.x + 1) / gridDim.x;
   if (s0 >= s1) return;  // whole block
 
-  // [LUT, 128-byte aligned][ring: S stages of SW × kThreads words, then S stages of their α]
-  unsigned char* lut = smem + ((128 - reinterpret_cast<uintptr_t>(smem) % 128) % 128);
-  uint4* ring_w = reinterpret_cast<uint4*>(lut + kLutBytes);
+  // [LUT][slack][ring: S stages of SW × kThreads words, then S stages of their α]. The LUT sits at a
+  // fixed offset of the shared window, so a lookup is one load at [offset + window base] (sm_90 keeps
+  // the base in a uniform register); aligned at run time, as it was, every lookup paid one more add
+  // (64 of the ~600 instructions of a step at one column). A lane's lookup offsets differ from its
+  // neighbours' modulo 128, so they need no alignment to avoid bank conflicts. The ring does: its
+  // copies cost 2-5 times the shared-memory wavefronts when it starts off a 128-byte boundary
+  // (ncu, H100), and dynamic shared memory is only 16-byte aligned.
+  unsigned char* lut = smem;
+  uint4* ring_w = reinterpret_cast<uint4*>(lut + kLutBytes + (128 - reinterpret_cast<uintptr_t>(lut + kLutBytes) % 128) % 128);
   uint2* ring_a = reinterpret_cast<uint2*>(ring_w + S * SW * kThreads);
   auto stage = [&](int s) { return Stage{ring_w + s * SW * kThreads, ring_a + s * SW * kThreads}; };
 

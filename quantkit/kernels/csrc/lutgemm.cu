@@ -784,32 +784,34 @@ __device__ __forceinline__ uint32_t scale_half2(uint32_t bits, int kk) {
 }
 
 // Start copying chunk c's x fragment for this lane into a ring stage: batch row g, the 32 columns of
-// word t of the chunk, through L1, as the block's 8 warps read the same 2 KB.
+// word t of the chunk (4 pieces of 16 bytes), through L1, as the block's 8 warps read the same 2 KB.
+// Piece v of lane l sits at [warp][v][l], so the 32 lanes of one copy or load touch 512 contiguous
+// bytes (the lane-contiguous layout, 64 bytes per lane, cost 4 times the shared-memory wavefronts).
 __device__ __forceinline__ void mma_issue_x(const LutParams& p, int c, int lane, int warp, unsigned char* stage) {
   const uint32_t g = lane >> 2, t = lane & 3;
-  uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
+  uint4* xs = reinterpret_cast<uint4*>(stage) + warp * 128 + lane;
   const int col0 = 32 * int(uint32_t(c) * kMmaChunkWords + t);
   const bool inside = int(g) < p.nb && col0 < p.d;
   if (!inside || (p.x_vec && col0 + 32 <= p.d)) {
     const __half* src = p.x + (inside ? size_t(g) * p.d + col0 : 0);
 #pragma unroll
-    for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, src + 8 * v, inside);
+    for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + 32 * v, src + 8 * v, inside);
   } else {  // the row's last, partial word (or x not 16-byte aligned): plain loads, plain stores
     const __half* src = p.x + size_t(g) * p.d + col0;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(xs);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float lo = col0 + 2 * j < p.d ? __half2float(load_half(src + 2 * j)) : 0.f;
       const float hi = col0 + 2 * j + 1 < p.d ? __half2float(load_half(src + 2 * j + 1)) : 0.f;
-      dst[j] = float2_to_half2_bits(lo, hi);
+      reinterpret_cast<uint32_t*>(xs + 32 * (j / 4))[j % 4] = float2_to_half2_bits(lo, hi);
     }
   }
 }
 
 // Start copying unit (rt, c)'s weights for this lane into a ring stage: word t of the chunk for its
-// rows 4g..4g+3 and 32+4g..32+4g+3 of every sign plane (16 bytes each; [plane][lane][half] per warp),
-// and its quarter of the warp's α / z quads: quad j = 2·plane + half of group g ([plane][half][g]),
-// for j ≡ t (mod 4). 32-bit element offsets: the host checks q·W·k and G·q·k < 2^31.
+// rows 4g..4g+3 and 32+4g..32+4g+3 of every sign plane (16 bytes each; [plane][half][lane] per warp,
+// conflict-free as x above), and slots l, l + 32, ... of the warp's α / z quads, slot = 8·j + group
+// g for quad j = 2·plane + half ([plane][half][g]). 32-bit element offsets: the host checks q·W·k
+// and G·q·k < 2^31.
 __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, int c, int lane, int warp,
                                                   unsigned char* stage) {
   const uint32_t k = uint32_t(p.k), q = uint32_t(p.q), g = lane >> 2, t = lane & 3;
@@ -818,21 +820,22 @@ __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, in
   const bool word_ok = wd < uint32_t(p.W);
   const uint32_t grp = word_group(c * kMmaChunkWords, p.group_magic);  // one group per chunk
   const uint32_t wstride = uint32_t(p.W) * k;
-  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + 2 * lane;
-  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane + g;
+  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + lane;
+  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t r = r0 + 32 * h;
     const bool ok = word_ok && r < k;
     const uint32_t woff = ok ? wd * k + r : 0u, step = ok ? wstride : 0u;
 #pragma unroll 1
-    for (uint32_t i = 0; i < q; ++i) copy_async<16>(w + i * 64 + h, p.qw + woff + i * step, ok);
+    for (uint32_t i = 0; i < q; ++i) copy_async<16>(w + i * 64 + 32 * h, p.qw + woff + i * step, ok);
   }
-  for (uint32_t j = t; j < 2u * uint32_t(p.planes); j += 4) {
-    const uint32_t i = j >> 1, r = r0 + 32 * (j & 1);
+  const uint32_t row_a = uint32_t(rt) * kMmaTileRows + warp * kMmaRowsPerWarp + 4 * (lane & 7);
+  for (uint32_t slot = lane; slot < 16u * uint32_t(p.planes); slot += 32) {
+    const uint32_t j = slot >> 3, i = j >> 1, r = row_a + 32 * (j & 1);
     const bool ok = r < k;
     const __half* src = i < q ? p.alpha + (ok ? (grp * q + i) * k + r : 0u) : p.offset + (ok ? grp * k + r : 0u);
-    copy_async<8>(a + j * 8, src, ok);
+    copy_async<8>(a + slot, src, ok);
   }
 }
 
@@ -843,7 +846,7 @@ __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, in
 struct MmaLane {
   const __half* x;  // x + g·d + 32t: the lane's batch row at word t of chunk 0 (lanes past the batch: unread)
   uint32_t w;       // t·k + r: plane 0's word t of chunk 0 at the lane's first row r of row tile 0
-  uint32_t r;       // warp·64 + 4g + 32·(t % 2): the rows of the lane's α / z quads in row tile 0
+  uint32_t r;       // warp·64 + 4·(lane % 8) + 32·(lane / 8 % 2): the rows of the lane's first α / z slot
   bool x_ok;        // g < nb
 };
 
@@ -853,33 +856,33 @@ __device__ __forceinline__ MmaLane mma_lane(const LutParams& p, int lane, int wa
   l.x_ok = int(g) < p.nb;
   l.x = p.x + (l.x_ok ? g * uint32_t(p.d) + 32 * t : 0u);
   l.w = t * k + warp * kMmaRowsPerWarp + 4 * g;
-  l.r = warp * kMmaRowsPerWarp + 4 * g + 32 * (t & 1);
+  l.r = warp * kMmaRowsPerWarp + 4 * (lane & 7) + 32 * ((lane >> 3) & 1);
   return l;
 }
 
 __device__ __forceinline__ void mma_issue_interior(const LutParams& p, const MmaLane& l, int rt, int c, int lane,
                                                    int warp, unsigned char* stage) {
-  const uint32_t k = uint32_t(p.k), q = uint32_t(p.q), t = lane & 3;
-  uint4* xs = reinterpret_cast<uint4*>(stage) + 4 * (warp * 32 + lane);
+  const uint32_t k = uint32_t(p.k), q = uint32_t(p.q);
+  uint4* xs = reinterpret_cast<uint4*>(stage) + warp * 128 + lane;
   const __half* xsrc = l.x + 32 * kMmaChunkWords * c;
 #pragma unroll
-  for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + v, xsrc + 8 * v, l.x_ok);
+  for (int v = 0; v < 4; ++v) copy_async<16, true>(xs + 32 * v, xsrc + 8 * v, l.x_ok);
 
   const uint32_t row0 = uint32_t(rt) * kMmaTileRows;
   const uint32_t wstride = uint32_t(p.W) * k;
   const uint32_t* wsrc = p.qw + (uint32_t(c) * kMmaChunkWords * k + row0 + l.w);
-  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + 2 * lane;
+  uint4* w = reinterpret_cast<uint4*>(stage + kMmaXBytes) + warp * 64 * q + lane;
 #pragma unroll 1
   for (uint32_t i = 0; i < q; ++i, wsrc += wstride, w += 64) {
     copy_async<16>(w, wsrc, true);
-    copy_async<16>(w + 1, wsrc + 32, true);
+    copy_async<16>(w + 32, wsrc + 32, true);
   }
 
-  // α / z quads j ≡ t (mod 4), as in mma_issue_weights: plane j / 2 (the offset plane when it is q)
+  // α / z slots lane, lane + 32, ... as in mma_issue_weights: quad j = slot / 8 of plane j / 2 (the
+  // offset plane when it is q); the next slot is 4 quads on, i.e. 2 planes, same half and group
   const uint32_t grp = word_group(c * kMmaChunkWords, p.group_magic), r = row0 + l.r;
-  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane +
-             (lane >> 2) + 8 * t;
-  uint32_t i = t >> 1;
+  uint2* a = reinterpret_cast<uint2*>(stage + kMmaXBytes + 32 * q * kThreads) + warp * p.planes * kMmaQuadsPerPlane + lane;
+  uint32_t i = uint32_t(lane) >> 4;
   const __half* asrc = p.alpha + (grp * q + i) * k + r;
 #pragma unroll 1
   for (; i < q; i += 2, asrc += 2 * k, a += 32) copy_async<8>(a, asrc, true);
@@ -968,11 +971,11 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
     const unsigned char* st = smem + slot * stage_bytes;
     float sx0, sx1;  // Σx of the chunk for batch columns 2t, 2t + 1
     {
-      const uint4* xs = reinterpret_cast<const uint4*>(st) + 4 * tid;
+      const uint4* xs = reinterpret_cast<const uint4*>(st) + warp * 128 + lane;
       uint32_t u[16];
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
-        const uint4 x4 = xs[v];
+        const uint4 x4 = xs[32 * v];
         u[4 * v] = x4.x, u[4 * v + 1] = x4.y, u[4 * v + 2] = x4.z, u[4 * v + 3] = x4.w;
       }
       float sums[4] = {0.f, 0.f, 0.f, 0.f};
@@ -982,12 +985,12 @@ __global__ void __launch_bounds__(kThreads, MMA_MIN_BLOCKS) bcq_mma_kernel(const
     // Units of 2^−25 (applied when the sums leave the warp): plane i adds α_i·(D_i − 2^−25·Σx), i.e.
     // α_i·Σ(2·bit − 1)·x / 2^25, with −2^−25·Σx as the starting accumulator of its mma chain.
     const float nsx0 = -sx0 * 0x1p-25f, nsx1 = -sx1 * 0x1p-25f;
-    const uint4* ring_w = reinterpret_cast<const uint4*>(st + kMmaXBytes) + warp * 64 * q + 2 * lane;
+    const uint4* ring_w = reinterpret_cast<const uint4*>(st + kMmaXBytes) + warp * 64 * q + lane;
     const uint2* ring_a =
         reinterpret_cast<const uint2*>(st + kMmaXBytes + 32 * q * kThreads) + warp * planes * kMmaQuadsPerPlane + (lane >> 2);
 #pragma unroll 1
     for (int i = 0; i < q; ++i) {
-      const uint4 wa = ring_w[i * 64], wb = ring_w[i * 64 + 1];
+      const uint4 wa = ring_w[i * 64], wb = ring_w[i * 64 + 32];
       const uint2 qa = ring_a[2 * i * 8], qb = ring_a[(2 * i + 1) * 8];
       const uint32_t words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
       const float2 a0 = half2_bits_to_float2(qa.x), a1 = half2_bits_to_float2(qa.y);

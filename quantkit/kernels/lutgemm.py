@@ -51,8 +51,8 @@ MATVEC_MAX_TOKENS = 8
 
 # Smallest launch (columns of x, at most 8) served by the tensor-core kernel instead of the LUT one,
 # when group_size % 128 == 0 or one group per row. Measured (bench_lutgemm.py "batch sweep", H100,
-# 2026-11-24, 49152x12288 q3 g128): the LUT kernel wins up to 4 columns (105-135 us), then its
-# padded 8-column tables cost 224-230 us against 158-164 us on tensor cores; 9 would turn it off.
+# 2026-11-26, 49152x12288 q3 g128): the LUT kernel wins up to 4 columns (103-128 us), then its
+# padded 8-column tables cost 212-218 us against 150-157 us on tensor cores; 9 would turn it off.
 MMA_MIN_BATCH = 5
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes

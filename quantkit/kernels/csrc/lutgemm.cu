@@ -713,8 +713,8 @@ constexpr int kMmaChunkWords = 4;
 constexpr int kMmaMaxPlanes = 9;  // q ≤ 8 sign planes and the offset
 
 // Ring stages: S - 1 chunks in flight per lane. A stage holds per lane its x fragment (64 bytes) and
-// 2·q words (16 bytes each) and, per warp, the α / z quads of its 64 rows (each lane copies a quarter
-// of them; all read them after a __syncwarp): 43 KB at q = 3 for the block. 2 stages (one chunk in
+// 2·q words (16 bytes each) and, per warp, the α / z quads of its 64 rows (the lanes copy them in
+// turn; all read them after a __syncwarp): 43 KB at q = 3 for the block. 2 stages (one chunk in
 // flight while one is computed) measured as fast as 3, and leave room for 2 blocks per SM up to q = 4.
 #ifndef MMA_STAGES
 #define MMA_STAGES 2
@@ -785,8 +785,8 @@ __device__ __forceinline__ uint32_t scale_half2(uint32_t bits, int kk) {
 
 // Start copying chunk c's x fragment for this lane into a ring stage: batch row g, the 32 columns of
 // word t of the chunk (4 pieces of 16 bytes), through L1, as the block's 8 warps read the same 2 KB.
-// Piece v of lane l sits at [warp][v][l], so the 32 lanes of one copy or load touch 512 contiguous
-// bytes (the lane-contiguous layout, 64 bytes per lane, cost 4 times the shared-memory wavefronts).
+// Piece v of lane l sits at [warp][v][l], so the 32 lanes of one load read 512 contiguous bytes
+// (ncu: the lane-contiguous layout, 64 bytes per lane, cost the loads 4 times their wavefronts).
 __device__ __forceinline__ void mma_issue_x(const LutParams& p, int c, int lane, int warp, unsigned char* stage) {
   const uint32_t g = lane >> 2, t = lane & 3;
   uint4* xs = reinterpret_cast<uint4*>(stage) + warp * 128 + lane;
@@ -809,7 +809,7 @@ __device__ __forceinline__ void mma_issue_x(const LutParams& p, int c, int lane,
 
 // Start copying unit (rt, c)'s weights for this lane into a ring stage: word t of the chunk for its
 // rows 4g..4g+3 and 32+4g..32+4g+3 of every sign plane (16 bytes each; [plane][half][lane] per warp,
-// conflict-free as x above), and slots l, l + 32, ... of the warp's α / z quads, slot = 8·j + group
+// conflict-free loads as x above), and slots l, l + 32, ... of the warp's α / z quads, slot = 8·j + group
 // g for quad j = 2·plane + half ([plane][half][g]). 32-bit element offsets: the host checks q·W·k
 // and G·q·k < 2^31.
 __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, int c, int lane, int warp,

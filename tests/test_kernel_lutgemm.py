@@ -320,7 +320,9 @@ def _save(workdir, name, t):
 # (n, k, d, q, g, offset, bias, max_blocks, mma_min_batch): LUT kernel (mma_min_batch 9) at every
 # padded batch 1/2/4/8 and a 2-launch batch; the tensor-core kernel (mma_min_batch <= n) alone or
 # mixed with LUT launches; blocks that start and stop mid-unit (max_blocks not dividing the steps)
-# or run a single step; d with padding bits and partial chunks; row-wise groups of any width
+# or run a single step; d with padding bits and partial chunks; row-wise groups of any width. Cases
+# with whole 512-row tiles and 128-column chunks of an 8-aligned d also take the tensor-core kernel's
+# unchecked copy path for interior units (with and without the offset plane, q odd and even)
 EMU_CASES = [
     (1, 1024, 256, 1, 256, False, False, 1, 9),
     (1, 2048, 600, 3, 128, True, True, 3, 9),

@@ -841,7 +841,7 @@ __device__ __forceinline__ void mma_issue_weights(const LutParams& p, int rt, in
 
 // The same copies as mma_issue_x + mma_issue_weights for a unit whose rows, words and x columns all lie
 // inside the matrix (and x rows 16-byte aligned): no bounds checks, and the per-lane parts of the
-// addresses computed once per launch (MmaLane). ncu (H100, 49152×12288 q2 at 8 columns) counted the
+// addresses fixed for the launch (MmaLane). ncu (H100, 49152×12288 q2 at 8 columns) counted the
 // general functions' address arithmetic and checks as 22 % of the kernel's instructions.
 struct MmaLane {
   const __half* x;  // x + g·d + 32t: the lane's batch row at word t of chunk 0 (lanes past the batch: unread)

@@ -5,7 +5,8 @@ shapes) for Nsight Compute to profile: the goal shapes of issues 8 and 9 at batc
   ncu --clock-control none --set full -k regex:bcq_mma python3 benchmarks/profile_matvec.py --bcq-only --batch 8
 
 --bcq-only --batch B --bits q: only the LUT-GEMM call, at B columns of x (5..8 run the tensor-core
-kernel) and q sign planes.
+kernel) and q sign planes. --ap-shape OUTxIN --ap-bits k --ap-batch B: the any-precision call's shape,
+width and columns of x (default 28672x8192, k = 3, batch 1).
 """
 
 import argparse
@@ -21,6 +22,9 @@ def main():
     parser.add_argument("--bcq-only", action="store_true", help="profile only the LUT-GEMM call")
     parser.add_argument("--batch", type=int, default=1, help="columns of x for the LUT-GEMM call (1..8)")
     parser.add_argument("--bits", type=int, default=3, help="sign planes q of the LUT-GEMM weight")
+    parser.add_argument("--ap-shape", default="28672x8192", help="OUTxIN of the any-precision call")
+    parser.add_argument("--ap-bits", type=int, default=3, help="width k the any-precision call serves")
+    parser.add_argument("--ap-batch", type=int, default=1, help="columns of x for the any-precision call")
     args = parser.parse_args()
     torch.manual_seed(0)
     lut_ext, ap_ext = build.load("lutgemm"), build.load("anyprec")
@@ -38,14 +42,14 @@ def main():
         torch.cuda.synchronize()
         print("profile_matvec done")
         return
-    rows, cols = 28672, 8192
+    rows, cols = map(int, args.ap_shape.split("x"))
     nat = torch.randint(-2**31, 2**31, (8, rows, cols // 32), device="cuda", dtype=torch.int64).to(torch.int32)
     planes = ag.kernel_layout(nat)
-    lut = (torch.randn(rows, 8, device="cuda").sort(1).values * 0.02).half()
-    x = torch.randn(1, cols, device="cuda").half()
+    lut = (torch.randn(rows, 2**args.ap_bits, device="cuda").sort(1).values * 0.02).half()
+    x = torch.randn(args.ap_batch, cols, device="cuda").half()
     w = torch.randn(rows, cols, device="cuda").half()
     for _ in range(2):
-        ag.matvec(x, planes, lut, 3, cols // 32, ext=ap_ext)
+        ag.matvec(x, planes, lut, args.ap_bits, cols // 32, ext=ap_ext)
         torch.mm(x, w.t())
     torch.cuda.synchronize()
     print("profile_matvec done")

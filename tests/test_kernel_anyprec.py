@@ -159,10 +159,10 @@ static double run(const Problem& Pb) {
         const int row = row0 + table_item<K>(i, v);
         reinterpret_cast<uint4*>(window.data() + table_addr)[i] = smem_table_entry<K, T>(lut, row, M, v);
       }
-    std::vector<float> red(size_t(kWarps) * TILES * 32 * 4, 0.f);
-    for (int warp = 0; warp < kWarps; ++warp) {
+    std::vector<float> red(size_t(C::WARPS) * TILES * 32 * 4, 0.f);
+    for (int warp = 0; warp < C::WARPS; ++warp) {
       double Cm[TILES][16][8] = {};
-      for (int chunk = warp; chunk < nchunks; chunk += kWarps) {
+      for (int chunk = warp; chunk < nchunks; chunk += C::WARPS) {
         struct Rec { int tile; uint32_t a[4], b01, b23; };
         std::vector<Rec> recs[32];
         for (int lane = 0; lane < 32; ++lane) {
@@ -225,7 +225,7 @@ static double run(const Problem& Pb) {
       const int row = row0 + 16 * it.tile + it.r16;
       if (it.b >= Pb.B || row >= M) continue;
       double s = 0;
-      for (int w = 0; w < kWarps; ++w) s += red[((size_t(w) * TILES + it.tile) * 32 + it.src_lane) * 4 + it.e];
+      for (int w = 0; w < C::WARPS; ++w) s += red[((size_t(w) * TILES + it.tile) * 32 + it.src_lane) * 4 + it.e];
       out[size_t(it.b) * M + row] = s;
     }
   }

@@ -10,7 +10,8 @@
 // accumulation): the weights are the A operand (16 rows x 16 k-slots), x the B operand (16 k-slots
 // x 8 batch columns), so batch 1..8 cost the same mma and only the decode has to be fast.
 //
-// Work split (one block of 8 warps, 256 threads; TILES = 1 or 2 tiles of 16 rows per block):
+// Work split (one block of 8 warps, 256 threads, or 4 warps in two-tile blocks at k <= 4; TILES = 1 or
+// 2 tiles of 16 rows per block; the picture shows 8 warps):
 //
 //   rows row0 .. row0+16*TILES-1                  columns, in steps of 4*P words (128*P columns)
 //   +--------------------------------------+      step c is done by warp c % 8 (interleaved, so
@@ -82,10 +83,12 @@
 
 #define AP_HD __host__ __device__ __forceinline__
 
+#ifndef AP_COPY_ALL_LANES  // widths k up to which every lane copies ring pieces (see matvec_kernel)
+#define AP_COPY_ALL_LANES 3
+#endif
+
 namespace anyprec {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kMaxBatch = 8;  // the mma's N
 constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4;
 
@@ -254,6 +257,14 @@ AP_HD uint32_t lds32(uint32_t addr) {
 #ifndef AP_MIN_BLOCKS
 #define AP_MIN_BLOCKS 2
 #endif
+// Two-tile blocks (batch 4-8 on the taller shapes) up to this width run 4 warps instead of 8, each
+// with twice the column steps of its tile, and 5 (k <= 3, register tables) or 6 (k = 4) blocks share
+// an SM. H100 A/B, eighteenth session (BENCHMARKS.md, issue 9): 5-13 % faster at k = 3 and 4; 6 blocks
+// at k = 3 were 4-5 % slower on 28672x8192; k = 5 gained nothing; one-tile blocks of 4 warps were 1-21 %
+// slower at batch 1.
+#ifndef AP_FOUR_WARPS_MAX_K
+#define AP_FOUR_WARPS_MAX_K 4
+#endif
 
 template <int K, int TILES, int FLAGS>
 struct Config {
@@ -271,14 +282,16 @@ struct Config {
   // allocated. At k = 8 the 32 KB of slack would cost a resident block: there the offset is added.
   static constexpr bool TABLE_OR = !PRMT_LUT && K < 8;
   static constexpr int TABLE_ALIGN = TABLE_OR ? (1 << (K + 7)) : 16;
-  static constexpr int RED_BYTES = kWarps * TILES * 32 * 4 * 4;
+  static constexpr int WARPS = TILES == 2 && K <= AP_FOUR_WARPS_MAX_K ? 4 : 8;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int RED_BYTES = WARPS * TILES * 32 * 4 * 4;
   // The ring (see the kernel): an item is one (tile, row slot, plane) of a lane; a warp step reads
   // PIECES 16-byte pieces (4 words of one row) per row and item, stage = all items of a step.
   static constexpr int ITEMS = TILES * 2 * K;
-  static constexpr int stage_bytes(int pieces) { return kWarps * ITEMS * pieces * 32 * 4; }
+  static constexpr int stage_bytes(int pieces) { return WARPS * ITEMS * pieces * 32 * 4; }
   // resident blocks per SM the registers and shared memory are sized for (228 KB per SM, 1 KB of
   // it reserved per block)
-  static constexpr int MIN_BLOCKS = K <= 7 ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS;
+  static constexpr int MIN_BLOCKS = WARPS == 4 ? (K <= 3 ? 5 : 6) : K <= 7 ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS;
   static constexpr int SMEM_LIMIT = 228 * 1024 / MIN_BLOCKS - 1024;
   static constexpr int FIXED_BYTES = RED_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
 #ifdef AP_PIECES
@@ -295,7 +308,7 @@ struct Config {
   static_assert(STAGES >= 2 && (PIECES == 1 || PIECES == 2 || PIECES == 4), "ring needs 2+ stages of 1, 2 or 4 pieces");
   static constexpr int STEP_WORDS = 4 * PIECES;  // words of each row per warp step
   static constexpr int WARP_RING_BYTES = STAGES * ITEMS * PIECES * 32 * 4;
-  static constexpr int RING_BYTES = kWarps * WARP_RING_BYTES;
+  static constexpr int RING_BYTES = WARPS * WARP_RING_BYTES;
   static constexpr int SMEM_BYTES = RED_BYTES + RING_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
   static_assert(SMEM_BYTES <= 227 * 1024, "ring and tables exceed a block's shared memory (AP_PIECES / AP_STAGES)");
 };
@@ -588,8 +601,9 @@ template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// One block per tile of 16 * TILES rows; its 8 warps split the columns in steps of STEP_WORDS
-// words (step c of the tile goes to warp c % 8) and add their partial sums at the end.
+// One block per tile of 16 * TILES rows; its C::WARPS warps (8, or 4 in small-k two-tile blocks) split
+// the columns in steps of STEP_WORDS words (step c of the tile goes to warp c % WARPS) and add their
+// partial sums at the end.
 //
 // The plane words reach the warps through a ring of STAGES steps in shared memory (cp.async), so
 // up to STAGES - 1 steps are in flight per warp without holding registers. A warp step covers
@@ -601,8 +615,10 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
 // other lanes copied: each waits for its own copies, then the warp syncs.
 // (Measured and dropped, 2026-11-24: persistent blocks looping over tiles, 6-12 % slower.)
 template <int K, typename T, int TILES, int FLAGS>
-__global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS)) matvec_kernel(const MatvecArgs args) {
+__global__ void __launch_bounds__((Config<K, TILES, FLAGS>::THREADS), (Config<K, TILES, FLAGS>::MIN_BLOCKS))
+    matvec_kernel(const MatvecArgs args) {
   using C = Config<K, TILES, FLAGS>;
+  constexpr int kWarps = C::WARPS, kThreads = C::THREADS;
   constexpr int P = C::PIECES, S = C::STAGES, ITEMS = C::ITEMS;
   extern __shared__ __align__(16) unsigned char smem[];
   qk::allow_next_grid();  // the next kernel is scheduled only once every block has started: the last wave
@@ -621,35 +637,40 @@ __global__ void __launch_bounds__(kThreads, (Config<K, TILES, FLAGS>::MIN_BLOCKS
 
   // The piece this lane copies per item: row pr of the row slot, words 4 * pv.. of the step. Offsets
   // are 32-bit (the host checks k * M * wstride < 2^31).
-  const int pr = lane & 7, pv = lane >> 3;
+  // At P < 4 one item needs only 8 * P lanes. In one-tile blocks (batch 1-2) up to k = AP_COPY_ALL_LANES
+  // the warp splits into G = 4 / P lane groups and group h copies the items of row slot h: every lane
+  // copies, half as many copy instructions at P = 2. A/B on the H100 (2026-11-26, k = 3): batch 1-2
+  // 4-7 % faster on 4096x4096, 11008x4096 and 14336x4096, the same on 4096x11008 and 28672x8192. Two-tile
+  // blocks (-2 to +5 %) and k = 4, 8 (2-5 % slower, H200) keep one group, 32 - 8P lanes idle.
+  constexpr int G = K <= AP_COPY_ALL_LANES && TILES == 1 ? 4 / P : 1, SLOTS = TILES * 2, MINE = (SLOTS + G - 1) / G;
+  const int pr = lane & 7, pv = (lane >> 3) & (4 / G - 1), h = lane / (8 * (4 / G));
   const uint32_t plane_stride = uint32_t(M) * uint32_t(args.wstride);
-  uint32_t row_off[TILES][2];
-  bool row_ok[TILES][2];
+  uint32_t row_off[MINE];
+  bool row_ok[MINE];
 #pragma unroll
-  for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-      const int row = row0 + 16 * tile + 8 * rs + pr;
-      row_ok[tile][rs] = row < M;
-      row_off[tile][rs] = row_ok[tile][rs] ? uint32_t(row) * uint32_t(args.wstride) + 4 * pv : 0u;
-    }
+  for (int j = 0; j < MINE; ++j) {
+    const int slot = h + G * j;  // = tile * 2 + rs
+    const int row = row0 + 8 * slot + pr;
+    row_ok[j] = slot < SLOTS && row < M;
+    row_off[j] = row_ok[j] ? uint32_t(row) * uint32_t(args.wstride) + 4 * pv : 0u;
+  }
   auto issue = [&](int step, int stage) {
     if (pv >= P) return;  // lanes without a piece (PIECES < 4)
     const int word = (warp + kWarps * step) * C::STEP_WORDS;  // + 4 * pv, in row_off
     const bool in_row = word + 4 * pv < W;
 #pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
+    for (int j = 0; j < MINE; ++j) {
+      const int slot = h + G * j;
+      if (G > 1 && slot >= SLOTS) continue;  // TILES = 1 at P = 1: half the groups have no slot
+      const bool ok = row_ok[j] && in_row;
+      const uint32_t off = ok ? row_off[j] + uint32_t(word) : 0u;
 #pragma unroll
-      for (int rs = 0; rs < 2; ++rs) {
-        const bool ok = row_ok[tile][rs] && in_row;
-        const uint32_t off = ok ? row_off[tile][rs] + uint32_t(word) : 0u;
-#pragma unroll
-        for (int p = 0; p < K; ++p) {
-          const int item = (tile * 2 + rs) * K + p;
-          qk::copy_async<16>(ring + (((stage * ITEMS + item) * P + pv) * 32 + pr * 4) * 4,
-                             args.planes + off + (ok ? p * plane_stride : 0u), ok);
-        }
+      for (int p = 0; p < K; ++p) {
+        const int item = slot * K + p;
+        qk::copy_async<16>(ring + (((stage * ITEMS + item) * P + pv) * 32 + pr * 4) * 4,
+                           args.planes + off + (ok ? p * plane_stride : 0u), ok);
       }
+    }
   };
 
   // prologue: S - 1 steps in flight (one commit group per step, empty past the warp's last step)
@@ -812,7 +833,7 @@ int launch_instance(const MatvecArgs& a, const Launch& on) {
     if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
     const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
     const bool overlap = on.overlap && qk::overlap_supported<matvec_kernel<K, T, TILES, FLAGS>>(on.device);
-    on.error = qk::launch_kernel(kernel, blocks, kThreads, C::SMEM_BYTES, on.stream, overlap, a);
+    on.error = qk::launch_kernel(kernel, blocks, C::THREADS, C::SMEM_BYTES, on.stream, overlap, a);
     return on.error == cudaSuccess ? kOk : kLaunchFailed;
   }
 }

@@ -20,6 +20,11 @@ Uniform layers run on their converted BCQ tensors in both paths; the converted w
 the uniform dequantization only by the fp16 rounding of the offset z (formats.bcq.bcq_from_uniform),
 and it is what lands in the weight cache.
 
+The matvec kernels split a row tile's columns over several blocks and add their fp32 partial sums
+with atomics, in whatever order the blocks finish, so repeated calls can differ in the last fp16 bit
+(BENCHMARKS.md, issue 10: up to 2 ulp, 21-50 distinct outputs in 50 calls). Greedy decoding of a model
+whose logits nearly tie can therefore differ between runs; the dequantize path is deterministic.
+
 `accumulate` is the matvec path stopped one step early: the kernels add x @ weightᵀ into the module's
 fp32 split-K workspace and leave it there, without the tile counter, the read-back and the fp16
 store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B decode shapes). Whoever

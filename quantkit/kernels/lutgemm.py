@@ -21,8 +21,8 @@ the uniform dequantization only by the fp16 rounding of the offset z (formats.bc
 and it is what lands in the weight cache.
 
 The matvec kernels split a row tile's columns over several blocks and add their fp32 partial sums
-with atomics, in whatever order the blocks finish, so repeated calls can differ in the last fp16 bit
-(BENCHMARKS.md, issue 10: up to 2 ulp, 21-50 distinct outputs in 50 calls). Greedy decoding of a model
+with atomics, in whatever order the blocks finish, so repeated calls can differ in the last bits of
+the fp16 output (BENCHMARKS.md, issue 10: 21-50 distinct outputs in 50 calls, at most 0.004 apart). Greedy decoding of a model
 whose logits nearly tie can therefore differ between runs; the dequantize path is deterministic.
 
 `accumulate` is the matvec path stopped one step early: the kernels add x @ weightᵀ into the module's

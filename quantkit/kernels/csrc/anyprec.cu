@@ -641,7 +641,8 @@ __global__ void __launch_bounds__((Config<K, TILES, FLAGS>::THREADS), (Config<K,
   // the warp splits into G = 4 / P lane groups and group h copies the items of row slot h: every lane
   // copies, half as many copy instructions at P = 2. A/B on the H100 (2026-11-26, k = 3): batch 1-2
   // 4-7 % faster on 4096x4096, 11008x4096 and 14336x4096, the same on 4096x11008 and 28672x8192. Two-tile
-  // blocks (-2 to +5 %) and k = 4, 8 (2-5 % slower, H200) keep one group, 32 - 8P lanes idle.
+  // blocks (from 5 % faster to 2 % slower) and k = 4, 8 (2-5 % slower, H200) keep one group, with
+  // 32 - 8P lanes idle.
   constexpr int G = K <= AP_COPY_ALL_LANES && TILES == 1 ? 4 / P : 1, SLOTS = TILES * 2, MINE = (SLOTS + G - 1) / G;
   const int pr = lane & 7, pv = (lane >> 3) & (4 / G - 1), h = lane / (8 * (4 / G));
   const uint32_t plane_stride = uint32_t(M) * uint32_t(args.wstride);

@@ -23,7 +23,9 @@ and it is what lands in the weight cache.
 The matvec kernels split a row tile's columns over several blocks and add their fp32 partial sums
 with atomics, in whatever order the blocks finish, so repeated calls can differ in the last bits of
 the fp16 output (BENCHMARKS.md, issue 10: 21-50 distinct outputs in 50 calls, at most 0.004 apart). Greedy decoding of a model
-whose logits nearly tie can therefore differ between runs; the dequantize path is deterministic.
+whose logits nearly tie can therefore differ between runs. Under torch.use_deterministic_algorithms(True)
+every call takes the dequantize path instead, whose kernel writes each weight once (cuBLAS then needs
+CUBLAS_WORKSPACE_CONFIG, as torch says).
 
 `accumulate` is the matvec path stopped one step early: the kernels add x @ weightᵀ into the module's
 fp32 split-K workspace and leave it there, without the tile counter, the read-back and the fp16
@@ -96,8 +98,11 @@ def matvec_supported(out_features, in_features, group_size):
 
 
 def use_matvec(tokens, out_features, in_features, group_size):
-    """The switch rule: LUT kernel for few tokens, dequantize + cuBLAS beyond MATVEC_MAX_TOKENS."""
-    return 0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
+    """The switch rule: LUT kernel for few tokens, dequantize + cuBLAS beyond MATVEC_MAX_TOKENS, and
+    always the latter under torch.use_deterministic_algorithms(True), since the matvec kernels' atomics
+    do not add in a fixed order (see the module docstring)."""
+    return (0 < tokens <= MATVEC_MAX_TOKENS and matvec_supported(out_features, in_features, group_size)
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, workspace=None, overlapped=False):

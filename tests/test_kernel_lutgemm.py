@@ -357,6 +357,7 @@ EMU_CASES = [
     (5, 260, 700, 2, 700, True, True, 3, 1),      # row-wise group, d not a multiple of 32, rows past a tile
     (6, 512, 1536, 4, 256, False, False, 7, 1),
     (1, 256, 384, 1, 128, True, False, 2, 1),     # one step per unit
+    (7, 1024, 512, 6, 128, True, False, 3, 1),    # q past the per-q instances: the one that reads q at run time
     (12, 1100, 520, 2, 520, True, False, 4, 5),   # launches of 8 (tensor cores) and 4 (LUT)
 ]
 

@@ -914,7 +914,7 @@ __device__ __forceinline__ void mma_pack_x(const uint32_t (&u)[16], uint32_t (&b
 #endif
 // q = 1..MMA_STATIC_Q_MAX have an instance each (Q = q: the plane and copy loops unrolled, their strides
 // constants); wider q share one that reads q at run time (Q = 0). H100 A/B, 2026-11-27: the per-q
-// instances are 1.3-2.4 % faster at 8 columns on 49152x12288 (q2 109.7 -> 107.0 us) and 1-2 % elsewhere.
+// instances are 1.3-2.4 % faster at 8 columns on 49152x12288 (q2 109.7 -> 107.1 us) and 1-2 % elsewhere.
 #ifndef MMA_STATIC_Q_MAX
 #define MMA_STATIC_Q_MAX 4
 #endif

@@ -43,11 +43,29 @@ def _digest(payload) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _tensor_file_digest(path: Path) -> str:
+    """Every tensor's name, dtype, shape and bytes, and the header metadata but for the checksum of
+    config.json (which transformers writes, with its own version in it)."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(path, "pt") as f:
+        metadata = {k: v for k, v in (f.metadata() or {}).items() if k != "quantkit_config_sha256"}
+        h.update(json.dumps(metadata, sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name).contiguous()
+            h.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+            h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
 def artifact_digests(out: Path) -> dict:
-    """sha256 of every tensor file, of the quantization_config and of quant_log.json without its
-    volatile keys. The rest of config.json and the tokenizer files are written by transformers."""
-    digests = {p.name: _digest(p.read_bytes()) for p in sorted(out.glob("*.safetensors"))}
-    digests["quantization_config"] = _digest(json.loads((out / "config.json").read_text())["quantization_config"])
+    """Digests of every tensor file, of the quantization_config (less the per-file checksums, which
+    cover transformers' part of the directory) and of quant_log.json without its volatile keys."""
+    digests = {p.name: _tensor_file_digest(p) for p in sorted(out.glob("*.safetensors"))}
+    quant_config = json.loads((out / "config.json").read_text())["quantization_config"]
+    quant_config.pop("files", None)
+    digests["quantization_config"] = _digest(quant_config)
     digests["quant_log"] = _digest(_strip(json.loads((out / "quant_log.json").read_text())))
     return digests
 
@@ -84,10 +102,11 @@ def one_thread():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_artifact_bytes_are_frozen(case, seeded_llama_dir, small_data, tmp_path):
+def test_artifact_bytes_are_frozen(case, seeded_llama_dir, small_data, tmp_path, monkeypatch):
     method, params, nsamples = CASES[case]
     out = tmp_path / case
-    quantize_checkpoint(str(seeded_llama_dir), out, method, params, nsamples=nsamples, seqlen=32, calib="ptb",
+    monkeypatch.chdir(seeded_llama_dir.parent)  # the model's path is recorded: keep it the same in every run
+    quantize_checkpoint(seeded_llama_dir.name, out, method, params, nsamples=nsamples, seqlen=32, calib="ptb",
                         device="cpu", data_dir=small_data, progress=False, checkpoint=False)
     got = artifact_digests(out)
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}

@@ -1,3 +1,5 @@
+"""Run the command line as `python -m quantkit`."""
+
 from quantkit.cli import main
 
 main()

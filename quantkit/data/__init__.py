@@ -1,3 +1,5 @@
+"""Evaluation and calibration text: readers of WikiText-2 / C4 / PTB and the GPTQ protocol."""
+
 from quantkit.data.protocol import calibration_windows, eval_tokens
 from quantkit.data.texts import DATASETS, load_documents
 from quantkit.data.validation import validation_windows

@@ -1,3 +1,5 @@
+"""Stored layouts of quantized weights: pack, unpack, dequantize and count bits exactly."""
+
 from quantkit.formats.base import FORMATS, QuantizedTensor, quantized_tensor_from_state_dict
 from quantkit.formats.uniform import UniformQuantizedTensor
 from quantkit.formats import bcq  # noqa: F401  (registers the "bcq" format)

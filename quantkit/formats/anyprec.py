@@ -15,7 +15,7 @@ Stored tensors (W = ceil(d/32) words per row):
 Dequantization at b bits: w[r, c] = lut_b[r, code_b[r, c]].
 
 Not applied here: the paper's byte permutation of the planes for coalesced activation loads
-(fig. 7b) is a kernel-side preprocessing of the same bits; a kernel issue may add it as a layout
+(fig. 7b) is a kernel-side preprocessing of the same bits; a kernel may add it as a layout
 version. With seed == parent the format is a plain per-channel codebook (SqueezeLLM): n planes,
 one table. bits_per_weight() counts every stored tensor: (n·32·W + Σ_b 2^b·16)/d per weight;
 `bits_read(b)` is what serving b bits reads: (b·32·W + 2^b·16)/d.

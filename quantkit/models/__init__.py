@@ -1,3 +1,5 @@
+"""Loading checkpoints and finding their decoder layers and linears."""
+
 from quantkit.models.adapters import ArchAdapter, adapter_for, supported_model_types
 from quantkit.models.loading import load_model, load_tokenizer, resolve_source
 

@@ -3,7 +3,7 @@
 `fusion._add_then_norm` runs it on CUDA for the decoder layers of a fused model (fusion.py). At batch 1
 a row is one hidden state of a few thousand values, so the call is all launch and latency: on an H100
 in a CUDA graph this kernel takes 1.7 µs against 2.6-2.8 µs for inductor's compiled version of the same
-expression and 1.3 µs for an empty kernel (BENCHMARKS.md, issue 10). It computes what transformers'
+expression and 1.3 µs for an empty kernel (docs/decode-runtime.md). It computes what transformers'
 Llama does eagerly: the sum rounded to the input dtype, its mean square and rsqrt in fp32, the normed
 values rounded to the input dtype before the weight multiplies them (in fp32, rounded once).
 

@@ -37,7 +37,7 @@ def _kernel(triton, tl):
         silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * width + cols, (silu * up).to(dtype), mask=inside)
         # Clear only after a barrier, which the output's store (it needs every load's value) precedes:
-        # stored right after the loads, zeros overtook some of them on an H100 (BENCHMARKS.md, issue 10).
+        # stored right after the loads, zeros overtook some of them on an H100 (docs/decode-runtime.md).
         tl.debug_barrier()
         zero = tl.zeros([BLOCK], tl.float32)
         tl.store(gate_ptrs, zero, mask=inside)

@@ -3,6 +3,17 @@
 __version__ = "0.1.0"
 
 
+def _register_with_transformers():
+    """`AutoModelForCausalLM.from_pretrained(artifact)` works once quantkit is imported (see
+    quantkit/integrations/transformers.py); registration waits until transformers is imported."""
+    from quantkit.integrations import register_with_transformers
+
+    register_with_transformers()
+
+
+_register_with_transformers()
+
+
 def load(path, device="cpu", dtype=None, verify=True, bits=None):
     """Load a quantkit artifact directory as a transformers model whose quantized linears are QuantLinear
     modules (CUDA kernels on CUDA inputs, the dequantize reference elsewhere), in eval mode.

@@ -26,6 +26,7 @@ Artifacts written before these checks existed lack the two header digests and sk
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -38,6 +39,9 @@ from safetensors.torch import save_file
 
 from quantkit import __version__
 from quantkit.errors import QuantkitError, StorageError
+
+log = logging.getLogger(__name__)
+_WARNED_UNSEALED = set()
 
 CONFIG = "config.json"
 LOG = "quant_log.json"
@@ -272,11 +276,20 @@ def _check_schema(path: Path, config) -> dict:
     if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "quantkit":
         raise QuantkitError(f"{path} is not a quantkit artifact (no quantization_config with quant_method 'quantkit')")
     files, modules = qcfg.get("files"), qcfg.get("modules")
-    if not isinstance(files, dict) or not files:
+    if files == {}:  # unsealed: re-saved by transformers' save_pretrained, which cannot know the checksums
+        files = qcfg["files"] = {p.name: None for p in sorted(path.glob("*.safetensors"))}
+        if not files:
+            raise QuantkitError(f"{path}: no .safetensors tensor files")
+        if str(path) not in _WARNED_UNSEALED:
+            _WARNED_UNSEALED.add(str(path))
+            log.warning("%s was saved by transformers' save_pretrained and carries no checksums; loading it "
+                        "unverified", path)
+    elif not isinstance(files, dict) or not files:
         raise QuantkitError(f"{where}: quantization_config.files must map tensor file names to sha256 checksums")
-    for fname, sha in files.items():
-        if Path(fname).name != fname or not fname.endswith(".safetensors") or not isinstance(sha, str):
-            raise QuantkitError(f"{where}: bad quantization_config.files entry {fname!r}")
+    else:
+        for fname, sha in files.items():
+            if Path(fname).name != fname or not fname.endswith(".safetensors") or not isinstance(sha, str):
+                raise QuantkitError(f"{where}: bad quantization_config.files entry {fname!r}")
     if not isinstance(modules, dict):
         raise QuantkitError(f"{where}: quantization_config.modules must map module names to their format metadata")
     for name, meta in modules.items():
@@ -336,7 +349,7 @@ def read_tensors(path, verify=True) -> dict:
     tensors = {}
     for fname, expected in sorted(qcfg["files"].items()):
         fpath = path / fname
-        if verify and file_digest(fpath) != expected:
+        if verify and expected is not None and file_digest(fpath) != expected:
             raise QuantkitError(f"{fpath}: checksum mismatch (file truncated or altered); re-create the artifact")
         with open_tensor_file(fpath) as fh:
             for name in fh.keys():

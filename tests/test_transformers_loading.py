@@ -55,3 +55,16 @@ def test_from_pretrained_honours_dtype(artifacts):
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ours(ids).logits)
+
+
+def test_save_pretrained_round_trips_through_transformers_and_quantkit(artifacts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(artifacts["gptq"], dtype=torch.float32)
+    model.save_pretrained(tmp_path / "resaved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
+    unsealed = quantkit.load(tmp_path / "resaved", device="cpu", dtype=torch.float32)  # no checksums to verify
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits
+        assert torch.equal(again(ids).logits, want) and torch.equal(unsealed(ids).logits, want)

@@ -66,7 +66,11 @@ def register() -> bool:
             self.quant_method = "quantkit"
 
         def to_dict(self):
-            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+            # The tensor files' checksums describe the artifact as quantkit wrote it; a save_pretrained
+            # copy is other files, so it is written unsealed (no checksums) and quantkit.load says so.
+            out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+            out["files"] = {}
+            return out
 
     @register_quantizer("quantkit")
     class QuantkitHfQuantizer(HfQuantizer):
@@ -91,7 +95,7 @@ def register() -> bool:
             return model
 
         def is_serializable(self):
-            return False
+            return True
 
         @property
         def is_trainable(self):

@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine (see README.md):
 #   make demo   set up, fetch SmolLM2-135M, quantize it with RTN w4g128, print WikiText-2 PPL vs float
-#   make test   set up and run the test suite
+#   make test   set up, lint (ruff check) and run the test suite
 # On CPU machines torch is installed first, pinned, so that no CUDA build is pulled in.
 
 PYTHON ?= python3
@@ -11,7 +11,7 @@ DEMO_OUT ?= out/smollm2-rtn-w4g128
 DEMO_WINDOWS ?= 20
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test model clean
+.PHONY: setup demo lint test model clean
 
 $(BIN)/quantkit: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,10 @@ demo: model
 	$(BIN)/quantkit eval ppl --model smollm2 --model $(DEMO_OUT) --dataset wikitext2 \
 		$(if $(DEMO_WINDOWS),--max-windows $(DEMO_WINDOWS)) --json out/demo-ppl.json
 
-test: model
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint model
 	$(BIN)/python -m pytest -q -ra
 
 clean:

@@ -26,9 +26,9 @@ import argparse
 import contextlib
 import json
 
+import bench_e2e_decode as bench
 import torch
 
-import bench_e2e_decode as bench
 from quantkit.kernels import overlap
 from quantkit.runtime import fusion
 
@@ -90,7 +90,8 @@ def main():
     results = []
     try:
         for family in dict.fromkeys(bench.family_of(f) for f in formats):
-            modules = list(dense.values()) if family == "fp16" else list(bench.install(model, dense, family, 0).values())
+            modules = (list(dense.values()) if family == "fp16"
+                       else list(bench.install(model, dense, family, 0).values()))
             for fmt in (f for f in formats if bench.family_of(f) == family):
                 for variant in variants * 2:
                     set_variant(variant, originals)

@@ -11,7 +11,7 @@ model where each layer's weights are read once per token.
 Tables: latency / speedup over cuBLAS fp16 / GB/s of bytes read / fraction of the fp16 rate for
 every shape, width and batch; the ablation of each optimisation (anyprec.cu flags) at batch 1 and
 8; TILES 1 vs 2; the one-time layout preprocessing; the rows where dequantize + cuBLAS overtakes
-the kernel (what anyprec_gemm.MATVEC_MAX_ROWS should be); the issue's goals checked.
+the kernel (what anyprec_gemm.MATVEC_MAX_ROWS should be); the goals of RESULTS.md checked.
 """
 
 import argparse
@@ -193,7 +193,8 @@ def main():
                 out = torch.empty(batch, rows, dtype=torch.float16, device="cuda")
                 kcalls = [lambda p=p, lut=lut, words=parent.words: ag.matvec(x, p, lut, bits, words, out=out, ext=ext)
                           for p, lut in zip(parent.planes, (d[bits] for d in parent.luts))]
-                dcalls = [lambda p=p, lut=lut: (ext.dequantize(p, lut, bits, cols, wbuf), torch.mm(x, wbuf.t(), out=out))
+                dcalls = [lambda p=p, lut=lut: (ext.dequantize(p, lut, bits, cols, wbuf),
+                                                torch.mm(x, wbuf.t(), out=out))
                           for p, lut in zip(parent.natural, (d[bits] for d in parent.luts))]
                 tk, td, tc = graph_time(kcalls), graph_time(dcalls), graph_time(cublas_calls(weights, x, out))
                 results["switch"].append({"shape": [rows, cols], "bits": bits, "batch": batch, "kernel_us": tk * 1e6,
@@ -249,7 +250,7 @@ def report(res):
 
     goals = check_goals(res)
     res["goals"] = goals
-    print("\n## Issue 9 goals")
+    print("\n## Goals")
     for g in goals:
         print(f"{'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
 
@@ -264,7 +265,8 @@ def check_goals(res):
     for shape, want in (((11008, 4096), 3.5), ((28672, 8192), 4.5)):
         r = by.get((shape, 3, 1))
         if r:
-            add(f"3-bit batch-1 speedup on {shape[0]}x{shape[1]} >= {want}", f"{r['speedup']:.2f}x", r["speedup"] >= want)
+            add(f"3-bit batch-1 speedup on {shape[0]}x{shape[1]} >= {want}", f"{r['speedup']:.2f}x",
+                r["speedup"] >= want)
     for shape in {tuple(r["shape"]) for r in res["main"]}:
         lat = [by[(shape, b, 1)]["us"] for b in range(3, 9) if (shape, b, 1) in by]
         if len(lat) >= 2 and (shape, 8, 1) in by and (shape, 3, 1) in by:

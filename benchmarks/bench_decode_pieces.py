@@ -146,8 +146,10 @@ def kv_write_rows(length):
 
     compiled = torch.compile(write_kv, dynamic=False)
     return [{"piece": "kv write", "variant": "transformers StaticLayer.update", "us": graph_us(transformers_update)},
-            {"piece": "kv write", "variant": "two index_copy_", "us": graph_us(lambda: write_kv(keys, values, k, v, position))},
-            {"piece": "kv write", "variant": "torch.compile", "us": graph_us(lambda: compiled(keys, values, k, v, position))}]
+            {"piece": "kv write", "variant": "two index_copy_",
+             "us": graph_us(lambda: write_kv(keys, values, k, v, position))},
+            {"piece": "kv write", "variant": "torch.compile",
+             "us": graph_us(lambda: compiled(keys, values, k, v, position))}]
 
 
 def norm_rows():

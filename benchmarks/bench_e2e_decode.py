@@ -21,10 +21,11 @@ decoder linears answering from a preallocated buffer, no kernel) / (the real ste
 them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
 RMSNorms, the rotary embedding and SiLU*mul into one kernel each, adds each residual in the kernel of
 the norm after it, and with split attention rotates q/k inside the attention kernel; "full" also stacks
-q/k/v and gate/up into one linear each (one launch over the stacked rows). Attention "split" (the default) attends in decode
+q/k/v and gate/up into one linear each (one launch over the stacked rows). Attention "split" (the default)
+attends in decode
 steps with runtime.decode_attention (the cache split over many programs, positions past the current one
-not read; the kernel also writes the step's key and value into the cache), "split-separate-write" the
-same kernel after the compiled cache write, "sdpa" with transformers' SDPA over the whole masked cache.
+not read; the kernel also writes the step's key and value into the cache), "sdpa" with transformers'
+SDPA over the whole masked cache.
 On Hopper every kernel of a fused layer (matvecs, add + norm, attention, SiLU·mul) launches with
 programmatic dependent launch (quantkit.kernels.overlap; QUANTKIT_OVERLAP=0 turns it off); cuBLAS does not.
 Fusion and attention apply to fp16 and every format alike, and speedups compare formats at the same
@@ -56,7 +57,7 @@ LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 1100
              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096}
 FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-bcq-g128"] + [f"anyprec-{k}" for k in range(3, 9)]
 QUICK_FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-bcq-g128", "anyprec-3", "anyprec-4", "anyprec-8"]
-# the issue's goals: tokens/s over fp16 for 128 generated tokens
+# the goals (RESULTS.md, end-to-end decode): tokens/s over fp16 for 128 generated tokens
 GOALS = {"bcq-q3-g128": 2.5, "anyprec-3": 2.5, "bcq-q4-g128": 2.0, "gptq4-bcq-g128": 2.0, "anyprec-4": 2.0}
 GROUP = 128
 ANYPREC_SEED, ANYPREC_PARENT = 3, 8
@@ -387,8 +388,8 @@ def main():
                          "every format alike [%(default)s]")
     ap.add_argument("--attention", default="split",
                     help="comma list of: split (runtime.decode_attention in decode steps, which also writes "
-                         "the cache; SDPA where Triton is missing); split-separate-write (the same after the "
-                         "compiled cache write); sdpa (transformers' SDPA over the masked static cache) [%(default)s]")
+                         "the cache; SDPA where Triton is missing); sdpa (transformers' SDPA over the masked "
+                         "static cache) [%(default)s]")
     ap.add_argument("--include-reference", action="store_true",
                     help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
     ap.add_argument("--seed", type=int, default=0)

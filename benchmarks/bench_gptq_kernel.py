@@ -1,4 +1,4 @@
-"""k-OOC kernel benchmark (issue 7), one GPU, one process, per layer shape:
+"""k-OOC kernel benchmark, one GPU, one process, per layer shape:
   * k-OOC(0): the fused kernel's GPTQ(2), g128, against our PyTorch GPTQ (the same function, kernel disabled);
   * k-OOC(s), s in {0.1, 0.2, 0.5, 1.0}: the kernel's candidate scan of GPTQ(2,2,0.1,s) against p-OOC-Batch
     (ooc_gptq's batched PyTorch loop) and p-OOC-Naive (ooc_gptq one candidate at a time);
@@ -16,18 +16,18 @@ loss) costs the same for all three and is not timed. The kernel's scan streams t
 so its peak memory is one chunk's; p-OOC-Batch holds all candidates of a batch at once and runs the scan in
 batches of as many as fit in 70 % of the free memory (every s measured); p-OOC-Naive runs one at a time and
 is measured on --naive-cap candidates, then extrapolated linearly in the candidate count ("~" in the tables).
-TF32 is off: every path computes in fp32. The kernel is also timed with its optional 3xTF32 lazy updates
-(gptq_cuda.split_tf32), with their code agreement.
+TF32 is off: every path computes in fp32. The kernel is also timed with 3xTF32 lazy updates
+(benchmarks/gptq_split_tf32.py), with their code agreement.
 """
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from gptq_split_tf32 import split_updates  # benchmarks/, next to this script
 
 from quantkit.kernels import build, gptq_cuda
 from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
@@ -92,16 +92,6 @@ def make_layer(k, d, seed=0):
     h, w = prepare_hessian(xtx, max(1, n // 2048), w)
     u, _ = inverse_cholesky(h, 0.01)
     return h, w, u
-
-
-@contextlib.contextmanager
-def split_updates():
-    """The kernel path with its lazy updates as 3xTF32 instead of fp32 SGEMMs (the opt-in, for comparison)."""
-    previous, gptq_cuda.split_tf32 = gptq_cuda.split_tf32, True
-    try:
-        yield
-    finally:
-        gptq_cuda.split_tf32 = previous
 
 
 def gemm_only(k, d, u, repeats):
@@ -215,7 +205,8 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
         units = gptq_cuda.ooc_work_units(fractions)
         floor = units * gptq_cuda.gptq_flops(k, d) / rate
         row = {"shape": label, "k": k, "d": d, "scan": s, "candidates": c, "kernel_s": t_kernel,
-               "batch_s": t_batch, "batch_measured": batch_exact, "batch_per_run": per_batch, "naive_s": t_naive * c / n_naive,
+               "batch_s": t_batch, "batch_measured": batch_exact, "batch_per_run": per_batch,
+               "naive_s": t_naive * c / n_naive,
                "naive_measured": c == n_naive, "speedup_batch": t_batch / t_kernel,
                "speedup_naive": t_naive * c / n_naive / t_kernel, "work_units": units, "floor_s": floor,
                "kernel_over_floor": t_kernel / floor, "kernel_3xtf32_s": t_split,
@@ -231,12 +222,15 @@ def ooc_rows(label, k, d, h, w, u, rate, args, scans):
 
 def tpr_sweep(label, k, d, w, u, args):
     out = []
-    for tpr in gptq_cuda.THREADS_PER_ROW:
-        gptq_cuda.tpr_override = tpr
-        gptq_quantize(w, u, BITS, GROUP, False)
-        out.append({"shape": label, "threads_per_row": tpr,
-                    "kernel_s": measure(lambda: gptq_quantize(w, u, BITS, GROUP, False), args.repeats)[0]})
-    gptq_cuda.tpr_override = None
+    chosen = gptq_cuda.threads_per_row
+    try:
+        for tpr in gptq_cuda.THREADS_PER_ROW:
+            gptq_cuda.threads_per_row = lambda rows, tpr=tpr: tpr  # every instance, the unchosen 4 included
+            gptq_quantize(w, u, BITS, GROUP, False)
+            out.append({"shape": label, "threads_per_row": tpr,
+                        "kernel_s": measure(lambda: gptq_quantize(w, u, BITS, GROUP, False), args.repeats)[0]})
+    finally:
+        gptq_cuda.threads_per_row = chosen
     print(f"  threads per row {label}: " + ", ".join(f"{r['threads_per_row']}: {r['kernel_s'] * 1e3:.2f} ms"
                                                   for r in out), flush=True)
     return out

@@ -30,7 +30,7 @@ from quantkit.kernels import lutgemm
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (12288, 12288), (49152, 12288), (12288, 49152)]
 QUICK_SHAPES = [(4096, 4096), (49152, 12288)]
 GOAL_SHAPE = (49152, 12288)
-GOALS = {2: 5.7, 3: 3.9, 4: 3.0}  # speedup over cuBLAS fp16 at g = 128, batch 1 (the issue)
+GOALS = {2: 5.7, 3: 3.9, 4: 3.0}  # speedup over cuBLAS fp16 at g = 128, batch 1 (RESULTS.md)
 GOAL_BATCH8_RATIO = 1.5           # batch-8 latency / batch-1 latency
 CROSSOVER_TOKENS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 MAX_REL_ERR = 2e-3
@@ -129,8 +129,8 @@ def bench_shape(ops, k, d, args, l2):
                 for kernel, mma_min in kernels:
                     err = check(ops, one, x, mma_min)
                     outs = [torch.empty(n, k, dtype=torch.float16, device=dev) for _ in copies]
-                    calls = [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o, mma_min,
-                                                           ws) for t, o in zip(copies, outs)]
+                    calls = [lambda t=t, o=o: ops.lut_gemm(x, t.qweight, t.alpha, t.offset, None, t.group_size, o,
+                                                           mma_min, ws) for t, o in zip(copies, outs)]
                     sec = time_calls(calls, args.iters)
                     zeroed_us = None
                     if n == 1:  # the same launches with a fresh zeroed workspace per call (one memset node more)
@@ -248,14 +248,15 @@ def markdown(rows, device):
              "| speedup |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         g = "row" if r["group_size"] == -1 else r["group_size"]
-        lines.append(f"| {r['k']}x{r['d']} | {r['bits']} | {g} | {r['batch']} | {r['kernel']} | {r['bits_per_weight']:.3f} | "
+        lines.append(f"| {r['k']}x{r['d']} | {r['bits']} | {g} | {r['batch']} | {r['kernel']} | "
+                     f"{r['bits_per_weight']:.3f} | "
                      f"{r['lut_us']:.1f} | {r['lut_GBps']:.0f} | {r['frac_of_cublas_rate']:.2f} | {r['cublas_us']:.1f} "
                      f"| {r['speedup']:.2f} |")
     return f"Device: {device}\n\n" + "\n".join(lines)
 
 
 def goals(rows):
-    """The issue's goals on 49152x12288 g128: batch-1 speedup (LUT kernel), batch 8 vs batch 1 for
+    """The goals on 49152x12288 g128: batch-1 speedup (LUT kernel), batch 8 vs batch 1 for
     the LUT kernel alone and for the faster of the two kernels."""
     out = []
     by = {(r["k"], r["d"], r["bits"], r["group_size"], r["batch"], r["kernel"]): r for r in rows}
@@ -277,7 +278,7 @@ def goals(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shapes 4096x4096 and 49152x12288, q3, g128 only")
-    ap.add_argument("--shapes", default=None, help="comma list of OUTxIN (default: the issue's six)")
+    ap.add_argument("--shapes", default=None, help="comma list of OUTxIN (default: the six of RESULTS.md)")
     ap.add_argument("--bits", default="2,3,4")
     ap.add_argument("--groups", default="128,-1", help="group sizes; -1 = one group per row")
     ap.add_argument("--batches", default="1,8")
@@ -323,7 +324,8 @@ def main():
     if not args.no_crossover:
         big = [s for s in shapes if s == GOAL_SHAPE] or shapes[-1:]
         sweep = batch_sweep(ops, *big[0], args, l2)
-        print(f"suggested MMA_MIN_BATCH = {sweep['suggested_mma_min_batch']} (current {lutgemm.MMA_MIN_BATCH}; 9 = never)")
+        print(f"suggested MMA_MIN_BATCH = {sweep['suggested_mma_min_batch']} "
+              f"(current {lutgemm.MMA_MIN_BATCH}; 9 = never)")
         torch.cuda.empty_cache()
     cross = []
     if not args.no_crossover:
@@ -340,10 +342,12 @@ def main():
                   f"current {lutgemm.MATVEC_MAX_TOKENS})")
     gl = goals(rows)
     for g in gl:
-        line = f"goal 49152x12288 g128 q{g['bits']}: x{g['speedup_b1']:.2f} (>= {g['goal']}: {'met' if g['met'] else 'NOT met'})"
+        line = (f"goal 49152x12288 g128 q{g['bits']}: x{g['speedup_b1']:.2f} "
+                f"(>= {g['goal']}: {'met' if g['met'] else 'NOT met'})")
         if "b8_over_b1" in g:
             per = ", ".join(f"{kk} {v:.2f}" for kk, v in g["b8_over_b1_by_kernel"].items())
-            line += f"; batch 8 = {g['b8_over_b1']:.2f} x batch 1 ({per}; <= 1.5: {'met' if g['b8_met'] else 'NOT met'})"
+            line += (f"; batch 8 = {g['b8_over_b1']:.2f} x batch 1 "
+                     f"({per}; <= 1.5: {'met' if g['b8_met'] else 'NOT met'})")
         print(line)
     print()
     print(markdown(rows, device))

@@ -101,7 +101,8 @@ def driver(args):
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     common = ["--worker", "--layers", str(args.layers), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
-              "--seed", str(args.seed), "--device", args.device] + (["--no-clip-search"] if args.no_clip_search else []) \
+              "--seed", str(args.seed), "--device", args.device] \
+        + (["--no-clip-search"] if args.no_clip_search else []) \
         + (["--tiny"] if args.tiny else [])
     runs = {}
     for label, nproc in (("one", 1), ("many", args.nproc)):
@@ -119,7 +120,8 @@ def driver(args):
     files = compare(work / "one", work / "many")
     identical = all(files.values())
     speedup = runs["one"]["engine_seconds"] / runs["many"]["engine_seconds"]
-    print(f"model: {args.layers} {'tiny' if args.tiny else 'Llama-2-7B-shaped'} layers, gptq w4g128, {args.nsamples} x {args.seqlen} windows")
+    print(f"model: {args.layers} {'tiny' if args.tiny else 'Llama-2-7B-shaped'} layers, gptq w4g128, "
+          f"{args.nsamples} x {args.seqlen} windows")
     print(f"{'GPUs':>5}  {'engine s':>9}  {'wall s':>7}  {'peak GPU GiB (max rank)':>24}")
     for label in ("one", "many"):
         r = runs[label]

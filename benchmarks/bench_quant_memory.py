@@ -63,7 +63,8 @@ def random_llama(layers=32, seed=0, dtype=torch.float16, **shape):
             # is one (a host generator needs ~5 min for 6.7B fp16 values on one core)
             where = "cuda" if torch.cuda.is_available() else "cpu"
             gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + index)
-            param.data.copy_(torch.empty(param.shape, dtype=param.dtype, device=where).normal_(0.0, 0.02, generator=gen))
+            param.data.copy_(torch.empty(param.shape, dtype=param.dtype, device=where)
+                             .normal_(0.0, 0.02, generator=gen))
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffers were never computed on meta
     return model.eval()
 
@@ -186,7 +187,8 @@ def main():
                      args.big_nsamples, args.big_layers, offload))
     rows = []
     for label, method, nsamples, layers, offload in plan:
-        row = run(model, label, method, nsamples, args.seqlen, min(layers, args.layers), offload, args.device, args.seed)
+        row = run(model, label, method, nsamples, args.seqlen, min(layers, args.layers), offload, args.device,
+                  args.seed)
         rows.append(row)
         print(f"  {label}: peak GPU {gib(row['peak_gpu_allocated'])} GiB, {row['seconds']} s", flush=True)
 

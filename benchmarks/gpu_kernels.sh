@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Build the CUDA kernels once (in parallel), then run their GPU tests and/or benchmarks.
 #   OUT=$OUT benchmarks/gpu_kernels.sh build|test|bench [kernel ...]     kernels: gptq lutgemm anyprec
-# Wheels for an offline device (ninja, gguf) are installed from .device-stage/whl when present.
+# A GPU machine without network gets its inputs staged in $QUANTKIT_STAGE (default stage/, relative to the
+# repository root): the model, the evaluation texts and wheels (ninja, gguf); wheels in its whl/ are
+# installed when present.
 set -u
+stage=${QUANTKIT_STAGE:-stage}
 out=${OUT:?set OUT}
 step=${1:?build|test|bench}; shift
 kernels=${*:-gptq lutgemm anyprec}
 mkdir -p "$out"
-if ls .device-stage/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device-stage/whl/*.whl 2>/dev/null
+if ls "$stage"/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$stage"/whl/*.whl 2>/dev/null
   export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1 QUANTKIT_KERNEL_CACHE=${QUANTKIT_KERNEL_CACHE:-/root/qk-kernels}
+export PYTHONUNBUFFERED=1 QUANTKIT_KERNEL_CACHE=${QUANTKIT_KERNEL_CACHE:-$HOME/.cache/quantkit/kernels}
 for k in $kernels; do  # builds are cached by source hash, so this is quick when already built
   ( python3 -c "import time,sys; from quantkit.kernels import build; t=time.time(); m=build.load('$k', verbose=False); print('$k', 'built' if m else 'FAILED: %s' % build.unavailable_reason('$k'), round(time.time()-t,1), 's')" \
       > "$out/build_$k.log" 2>&1 ) &

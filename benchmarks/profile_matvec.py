@@ -1,5 +1,5 @@
 """One launch each of the LUT-GEMM and any-precision matvec kernels (and cuBLAS fp16 on the same
-shapes) for Nsight Compute to profile: the goal shapes of issues 8 and 9 at batch 1.
+shapes) for Nsight Compute to profile: the goal shapes of the two kernels at batch 1.
 
   ncu --clock-control none --set full -k regex:'lut_gemm|matvec|gemv' python3 benchmarks/profile_matvec.py
   ncu --clock-control none --set full -k regex:bcq_mma python3 benchmarks/profile_matvec.py --bcq-only --batch 8

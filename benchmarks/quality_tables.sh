@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The any-precision (issue 5) and OOC (issue 6) perplexity tables on one GPU, full protocol.
+# The any-precision and OOC perplexity tables (RESULTS.md) on one GPU, full protocol.
 # A SmolLM2 quantize+eval process is bound by kernel launches, not by the GPU, so the configs run
-# as parallel processes (16 host cores) and their JSON files are merged at the end.
-#   MODEL=/root/stash/model.gguf OUT=$OUT benchmarks/quality_tables.sh [ooc|anyprec|all]
+# as parallel processes (16 host cores) and their JSON files are merged at the end. On a GPU machine
+# without network the model and the evaluation texts are staged in $QUANTKIT_STAGE (default stage/):
+#   QUANTKIT_DATA=stage/data MODEL=stage/model.gguf OUT=$OUT benchmarks/quality_tables.sh [ooc|anyprec|rest|all]
 set -u
-model=${MODEL:?set MODEL to the SmolLM2 gguf or a model dir}
+stage=${QUANTKIT_STAGE:-stage}
+model=${MODEL:?set MODEL to the SmolLM2 gguf (e.g. $stage/model.gguf) or a model dir}
 out=${OUT:?set OUT to the result directory}
 which=${1:-all}
 limit=${LIMIT:-540}
@@ -31,8 +33,8 @@ if [[ $which == anyprec || $which == all ]]; then
     --config squeezellm:5:-:sensitivity=fisher
   run sq2 --config squeezellm:6:-:sensitivity=fisher --config squeezellm:7:-:sensitivity=fisher \
     --config squeezellm:8:-:sensitivity=fisher
-  run ap1 --config "anyprec:-:-:sensitivity=fisher,eval_bits=3/4/5/6/7/8${UPSCALE:+,upscale=$UPSCALE}"
-  run ap2 --config "anyprec:-:-:sensitivity=activation,eval_bits=3/4/5/6/7/8${UPSCALE:+,upscale=$UPSCALE}" \
+  run ap1 --config "anyprec:-:-:sensitivity=fisher,eval_bits=3/4/5/6/7/8"
+  run ap2 --config "anyprec:-:-:sensitivity=activation,eval_bits=3/4/5/6/7/8" \
     --config squeezellm:3:-:sensitivity=activation --config squeezellm:4:-:sensitivity=activation
 fi
 if [[ $which == rest ]]; then  # one config per process

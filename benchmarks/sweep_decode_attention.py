@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 import torch
-
 from bench_decode_pieces import HEAD_DIM, HEADS, graph_us
+
 from quantkit.runtime import decode_attention as da
 
 LAYERS = 32

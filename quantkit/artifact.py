@@ -326,7 +326,8 @@ def read_config(path) -> dict:
             raise QuantkitError(f"{path / CONFIG} does not match {fname} (config edited, or files of two artifacts "
                                 "mixed); re-create the artifact")
         if LAYOUT_KEY in meta and meta[LAYOUT_KEY] != _layout_digest(header, fpath):
-            raise QuantkitError(f"{fpath}: header altered (tensor names, dtypes, shapes or offsets); re-create the artifact")
+            raise QuantkitError(f"{fpath}: header altered (tensor names, dtypes, shapes or offsets); "
+                                "re-create the artifact")
     return config
 
 

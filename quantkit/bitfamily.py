@@ -107,13 +107,15 @@ def formula_table(g=128, d_min=768, f=FLAG_BITS):
         add(f"GPTQ({b})", gptq_bits(b, g, f=f), gptq_bits(b, g, d_min, f), "zero point b bits + fp16 scale per group")
     add("PB-LLM(8,1,0.1)", pbllm_bits(8, 1, 0.1, g, f=f), pbllm_bits(8, 1, 0.1, g, d_min, f),
         "table-4 formula; the paper's text quotes 2.75")
-    add("BiLLM(2,2,0.1)", billm_bits(2, 2, 0.1, g, f=f), billm_bits(2, 2, 0.1, g, d_min, f), "low tier binarized (1 bit)")
+    add("BiLLM(2,2,0.1)", billm_bits(2, 2, 0.1, g, f=f), billm_bits(2, 2, 0.1, g, d_min, f),
+        "low tier binarized (1 bit)")
     for h, l in ((2, 2), (3, 2), (4, 2), (4, 3)):
         # eq. (4) at d_min counts d/g groups; ooc_eq4_exact is the same formula with ceil(d/g) of them
         add(f"OOC({h},{l},0.1)", ooc_bits(h, l, 0.1, g, f=f), ooc_eq4_exact(h, l, 0.1 * g, g, d_min, f), "eq. (4)")
     for q in (2, 3, 4):
         add(f"BCQ({q})", bcq_bits(q, g, f=f), bcq_bits(q, g, d=d_min, f=f), "q fp16 scales per group")
-        add(f"BCQ({q})+offset", bcq_bits(q, g, True, f=f), bcq_bits(q, g, True, d_min, f), "plus an fp16 offset per group")
+        add(f"BCQ({q})+offset", bcq_bits(q, g, True, f=f), bcq_bits(q, g, True, d_min, f),
+            "plus an fp16 offset per group")
     for b in (3, 4, 8):
         add(f"codebook({b})", codebook_bits(b, f=f), codebook_bits(b, d_min, f), "per-channel fp16 LUT of 2^b entries")
     return {"group_size": g, "d_min": d_min, "flag_bits": f, "rows": rows}

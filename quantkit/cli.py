@@ -1,4 +1,4 @@
-"""quantkit command line: quantize, eval ppl, generate, bitfamily, inspect, fetch-model."""
+"""The quantkit command line: quantize, convert, methods, eval ppl, generate, bitfamily, inspect, fetch-model."""
 
 import json
 import logging
@@ -9,6 +9,11 @@ import click
 
 from quantkit import settings
 from quantkit.errors import QuantkitError
+from quantkit.methods.configs import CONFIGS
+from quantkit.methods.fields import flag_names, option_name, options, problem, shared_options, show
+
+# every method setting of configs.py, one entry per option name: {name: [(method, field)]}
+METHOD_SETTINGS = shared_options(CONFIGS.values())
 
 
 def _fail(message):
@@ -63,7 +68,7 @@ def _table(rows, columns):
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(out)
+    return "\n".join(line.rstrip() for line in out)
 
 
 @click.group(cls=_Group)
@@ -73,20 +78,22 @@ def main(verbose):
     """quantkit: post-training weight quantization for Hugging Face causal LMs.
 
     \b
-    Typical session:
+    Quantize, evaluate and measure the default model:
       quantkit fetch-model                                   # the default SmolLM2-135M (GGUF)
       quantkit quantize --model smollm2 --method rtn --bits 4 --group-size 128 --out out/rtn-w4g128
       quantkit eval ppl --model smollm2 --model out/rtn-w4g128 --dataset wikitext2
       quantkit bitfamily out/rtn-w4g128
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
 
 
 overwrite_option = click.option("--overwrite", is_flag=True,
                                 help="Replace --out if it is an earlier artifact or an empty directory (only once the "
                                      "new one is complete; anything else is refused).")
 data_dir_option = click.option("--data-dir", envvar="QUANTKIT_DATA", type=click.Path(file_okay=False),
-                               help="Directory with the WikiText-2/C4/PTB texts (layout of shared/data). Env: QUANTKIT_DATA.")
+                               help="Directory with the WikiText-2/C4/PTB texts (layout of shared/data). "
+                                    "Env: QUANTKIT_DATA.")
 
 
 @main.command("fetch-model")
@@ -98,53 +105,59 @@ def fetch_model(force):
     click.echo(str(fetch_default_model(force=force)))
 
 
+def _defaults_note(uses):
+    """The bracket of one option's help, from its (method, field) pairs: each method's default, then the allowed
+    values (per method where they differ), e.g. default rtn/gptq 4, bcq/squeezellm 3; allowed ..."""
+
+    def grouped(pairs):
+        groups = {}
+        for method, value in pairs:
+            groups.setdefault(value, []).append(method)
+        return groups
+
+    defaults = grouped((method, show(f, f.default)) for method, f in uses)
+    note = "default " + ", ".join(f"{'/'.join(methods)} {value}" for value, methods in defaults.items())
+    first = uses[0][1]
+    if first.type is not bool and "choices" not in first.metadata:  # click prints flags and choices itself
+        allowed = grouped((method, f.metadata["allowed"]) for method, f in uses)
+        if len(allowed) == 1:
+            note += f"; allowed {next(iter(allowed))}"
+        else:
+            note += "; allowed " + ", ".join(f"{'/'.join(methods)} {value}" for value, methods in allowed.items())
+    return note
+
+
+def _method_options(command):
+    """One option per entry of METHOD_SETTINGS, in declaration order. Each defaults to None: an option not
+    given leaves the method's own default in force, so the defaults live only in configs.py."""
+    types = {int: click.INT, float: click.FLOAT, str: click.STRING}
+    for name, uses in reversed(METHOD_SETTINGS.items()):
+        f = uses[0][1]
+        kwargs = {"default": None, "help": f"{f.metadata['help']} [{_defaults_note(uses)}]"}
+        if f.type is bool:
+            decls = ["/".join(flag_names(f))]
+        else:
+            decls = [option_name(f)]
+            kwargs["type"] = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else types[f.type]
+        command = click.option(*decls, name, **kwargs)(command)
+    return command
+
+
 @main.command()
 @click.option("--model", "src", default=settings.DEFAULT_MODEL_ALIAS, show_default=True,
               help="HF directory, hub id, .gguf file, or 'smollm2' (the default model).")
-@click.option("--method", default="rtn", show_default=True, help="Quantization method (see `quantkit methods`).")
-# Method settings default to None: an option not given leaves the method's own default in force
-# (`quantkit methods` lists them), so each method keeps one source of truth for its defaults.
-@click.option("--bits", type=int, default=None, help="Bits per weight code [method default: rtn/gptq 4 (2-8), bcq 3 (1-8), squeezellm 3; see `quantkit methods`].")
-@click.option("--group-size", type=int, default=None,
-              help="Input weights per scale/zero group; -1 for per-channel. A partial last group is kept. [128]")
-@click.option("--sym/--asym", default=None, help="Symmetric (no stored zero) or asymmetric [asym].")
-@click.option("--damp", type=float, default=None,
-              help="GPTQ: dampening, fraction of the mean Hessian diagonal, raised x10 if Cholesky fails [0.01].")
-@click.option("--act-order/--no-act-order", default=None,
-              help="GPTQ: quantize columns in order of descending Hessian diagonal [on].")
-@click.option("--static-groups/--no-static-groups", default=None,
-              help="GPTQ: group scales/zeros from the original weights up front; no g_idx with --act-order [on].")
-@click.option("--block-size", type=int, default=None, help="GPTQ: columns per lazy-update block [128].")
-@click.option("--offset/--no-offset", default=None,
-              help="BCQ: also fit an fp16 offset z per group (w ≈ Σ αᵢbᵢ + z) [off].")
-@click.option("--rounds", type=int, default=None,
-              help="BCQ: alternating least-squares rounds after the greedy start; stops early once the error stops falling [15].")
+@click.option("--method", default="rtn", show_default=True,
+              help=f"Quantization method: {', '.join(CONFIGS)}. Its settings are the options below that name it "
+                   "(`quantkit methods` lists them per method).")
+@_method_options
 @click.option("--format", "format", type=click.Choice(["uniform", "bcq"]), default=None,
-              help="Stored format [default: the method's own]. bcq with rtn/gptq converts by LUT-GEMM appendix C (exact but for the fp16 rounding of the offset).")
-@click.option("--clip-search/--no-clip-search", default=None,
-              help="rtn/gptq: search a shrunk clipping range per group, min Σ|w-q|^2.4 as the GPTQ reference's mse option [gptq on, rtn off].")
-@click.option("--low-bits", type=int, default=None, help="ooc: bits l of the low tier [2].")
-@click.option("--high-bits", type=int, default=None, help="ooc: bits h of the clear columns of the odd group [2].")
-@click.option("--clear-fraction", type=float, default=None, help="ooc: fraction p of the odd group's columns kept clear [0.1].")
-@click.option("--scan", type=float, default=None,
-              help="ooc: fraction s of the groups (most salient first) tried as the odd group; 0 = GPTQ(l) [0.1].")
-@click.option("--per-row/--no-per-row", default=None, help="ooc: choose the odd group per output row instead of per matrix [off].")
-@click.option("--impl", type=click.Choice(["batch", "naive"]), default=None,
-              help="ooc: candidates batched (p-OOC-Batch) or one after another (p-OOC-Naive) [batch].")
+              help="Stored format [default: the method's own]. bcq with rtn/gptq converts by LUT-GEMM appendix C "
+                   "(exact but for the fp16 rounding of the offset).")
 @click.option("--ensemble/--no-ensemble", default=None,
               help="ooc: the two-flow OOC(h,l,p,s): also quantize with plain GPTQ(l), each flow with its own "
                    "activations, and keep the one with the lower loss on held-out windows of --calib [off].")
 @click.option("--val-windows", type=int, default=None,
               help="ooc --ensemble: held-out validation windows of --seqlen tokens [16].")
-@click.option("--seed-bits", type=int, default=None, help="anyprec: bits of the SqueezeLLM seed model [3].")
-@click.option("--parent-bits", type=int, default=None, help="anyprec: bits of the parent model, upscaled from the seed [8].")
-@click.option("--sensitivity", type=click.Choice(["activation", "fisher", "none"]), default=None,
-              help="squeezellm/anyprec: k-means weight of each weight: diag of XᵀX of its input, Σ grad² of the LM "
-                   "loss over the calibration windows (fisher, one whole-model backward per window), or none [activation].")
-@click.option("--upscale", type=click.Choice(["joint", "split"]), default=None,
-              help="anyprec: nested upscaling rule: split every cluster at its exact 2-means cut (paper), or joint: "
-                   "choose the nested partitions for the SSE of all widths at once (C++ path only; lower SSE, no better "
-                   "perplexity on SmolLM2) [split].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @overwrite_option
 @click.option("--resume", is_flag=True,
@@ -162,7 +175,8 @@ def fetch_model(force):
               help="Calibration windows [default: 128 for methods that need statistics, else 0 = none].")
 @click.option("--seqlen", type=int, default=2048, show_default=True, help="Tokens per calibration window.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration sampling.")
-@click.option("--device", default=None, help="cpu or cuda [default: cuda if available]. One layer at a time is moved there.")
+@click.option("--device", default=None,
+              help="cpu or cuda [default: cuda if available]. One layer at a time is moved there.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Model dtype during quantization [default: float16 on cuda, float32 on cpu].")
 @click.option("--preset", type=click.Path(exists=True, dir_okay=False),
@@ -170,48 +184,36 @@ def fetch_model(force):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the run summary as JSON.")
 @data_dir_option
 @click.pass_context
-def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_groups, block_size, out, overwrite,
-             calib, nsamples, seqlen, seed, device, dtype, preset, json_path, data_dir, offset, rounds, format,
-             clip_search, low_bits=None, high_bits=None, clear_fraction=None, scan=None, per_row=None, impl=None,
-             seed_bits=None, parent_bits=None, sensitivity=None, upscale=None, ensemble=None, val_windows=None, resume=False,
-             checkpoint=True, offload_activations=False):
+def quantize(ctx, **_):
     """Quantize a checkpoint into a quantkit artifact directory.
 
     \b
     Under torchrun (e.g. torchrun --standalone --nproc-per-node 2 -m quantkit quantize ...) the
     calibration windows and the linears are split over the ranks (1, 2, 4 or 8), with the same
     artifact as one process."""
-    from quantkit.methods import METHODS
     from quantkit.pipeline import quantize_checkpoint
 
     values = dict(ctx.params)
-    explicit = {k for k in values if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    if preset:
-        for key, value in _read_preset(ctx, preset).items():
-            if key not in explicit:
+    given = {k for k in values if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    from_preset = set()
+    if values["preset"]:
+        for key, value in _read_preset(ctx, values["preset"]).items():
+            if key not in given:
                 values[key] = value
-                explicit.add(key)
-    if values["method"] not in METHODS:
-        raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(METHODS))}")
-    accepted = METHODS[values["method"]].params
-    method_params = {}
-    for key in ("bits", "group_size", "sym", "damp", "act_order", "static_groups", "block_size", "offset", "rounds",
-                "clip_search", "low_bits", "high_bits", "clear_fraction", "scan", "per_row", "impl", "seed_bits",
-                "parent_bits", "sensitivity", "upscale"):
-        if key in accepted:
-            if values[key] is not None:
-                method_params[key] = values[key]
-        elif key in explicit:
-            raise QuantkitError(f"--{key.replace('_', '-')} does not apply to --method {values['method']}")
+                from_preset.add(key)
+        given |= from_preset
+    if values["method"] not in CONFIGS:
+        raise QuantkitError(f"unknown method {values['method']!r}; available: {', '.join(sorted(CONFIGS))}")
+    method_params = _method_settings(values, given, values["preset"], from_preset)
     if values["val_windows"] is not None and not values["ensemble"]:
         raise QuantkitError("--val-windows applies only with --ensemble")
-    summary = _run_quantize(values["out"], quantize_checkpoint, values["src"], values["out"], values["method"], method_params,
-                                  calib=values["calib"], nsamples=values["nsamples"], seqlen=values["seqlen"],
-                                  seed=values["seed"], device=values["device"], dtype=values["dtype"],
-                                  data_dir=values["data_dir"], overwrite=values["overwrite"], fmt=values["format"],
-                                  ensemble=bool(values["ensemble"]),
-                                  val_windows=16 if values["val_windows"] is None else values["val_windows"],
-                                  **_reliability_options(values))
+    job = {key: values[key] for key in ("calib", "nsamples", "seqlen", "seed", "device", "dtype", "data_dir",
+                                        "overwrite", "resume", "checkpoint", "offload_activations")}
+    if values["val_windows"] is not None:
+        job["val_windows"] = values["val_windows"]
+    _configure_cpu_threads(values["device"])
+    summary = _run_quantize(values["out"], quantize_checkpoint, values["src"], values["out"], values["method"],
+                            method_params, fmt=values["format"], ensemble=bool(values["ensemble"]), **job)
     if values["json_path"]:
         _write_json(values["json_path"], summary)
     for flow in summary.get("ensemble", {}).get("flows", []):
@@ -219,6 +221,29 @@ def quantize(ctx, src, method, bits, group_size, sym, damp, act_order, static_gr
                    + ("  <- kept" if flow["chosen"] else ""))
     click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
                f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+def _method_settings(values, given, preset=None, from_preset=()):
+    """{setting: value} of the method options set (on the command line or by the preset) for values["method"],
+    checked by its config before any work. An option of another method is refused by name; so is a preset
+    value the method does not allow, naming the preset."""
+    method = values["method"]
+    config_class = CONFIGS[method]
+    own = {f.name: f for f in options(config_class)}
+    settings = {}
+    for name, uses in METHOD_SETTINGS.items():
+        if name not in own:
+            if name in given:
+                raise QuantkitError(f"{option_name(uses[0][1])} does not apply to --method {method}")
+            continue
+        if values[name] is None:
+            continue
+        message = problem(own[name], values[name]) if name in from_preset else None
+        if message:
+            raise QuantkitError(f"{preset}: {message}")
+        settings[name] = values[name]
+    config_class(**settings)
+    return settings
 
 
 def _read_preset(ctx, path):
@@ -253,12 +278,6 @@ def _read_preset(ctx, path):
     return out
 
 
-def _reliability_options(values):
-    """The resume/checkpoint/offload keyword arguments of quantize_checkpoint."""
-    return {"resume": values["resume"], "checkpoint": values["checkpoint"],
-            "offload_activations": values["offload_activations"]}
-
-
 def _run_quantize(out, fn, *args, **kwargs):
     """fn(*args, **kwargs), with Ctrl-C reported as one line that says whether finished layers were
     kept for --resume (the generic handler would say nothing was written)."""
@@ -284,16 +303,56 @@ def convert(src, fmt, out, overwrite):
     from quantkit.pipeline import convert_artifact
 
     summary = convert_artifact(src, out, fmt, overwrite=overwrite)
-    click.echo(f"wrote {summary['out']}: {summary['modules_converted']} linears as {fmt} in {summary['convert_seconds']} s")
+    click.echo(f"wrote {summary['out']}: {summary['modules_converted']} linears as {fmt} in "
+               f"{summary['convert_seconds']} s")
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "target", type=click.Choice(["gptq", "compressed-tensors"]), required=True,
+              help="gptq: the GPTQ checkpoint format (AutoGPTQ/GPTQModel; vLLM's and transformers' GPTQ loaders). "
+                   "compressed-tensors: pack-quantized, as llm-compressor writes it (vLLM, SGLang, transformers).")
+@click.option("--checkpoint-format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq", show_default=True,
+              help="--to gptq: v1 stores zero points minus one and takes symmetric weights only (what vLLM reads); "
+                   "gptq_v2 stores them as they are (GPTQModel), asymmetric too.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to create.")
+@overwrite_option
+@click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check.")
+def export(src, target, checkpoint_format, out, overwrite, no_verify):
+    """Export a uniform (rtn/gptq) artifact SRC losslessly to a checkpoint format other engines serve.
+
+    \b
+    The exported weights dequantize to exactly quantkit's. What the target cannot represent, or its
+    loaders reject (a group size that does not divide a layer's width; asymmetric weights into v1 GPTQ;
+    widths other than 2/3/4/8 bits into GPTQ; act-order without static groups into compressed-tensors)
+    is refused before anything is written, naming the format that can take it. vLLM serves 4- and 8-bit
+    compressed-tensors and 2/3/4/8-bit GPTQ checkpoints."""
+    from quantkit.export import export_artifact
+
+    if checkpoint_format != "gptq" and target != "gptq":
+        raise QuantkitError("--checkpoint-format applies only with --to gptq")
+    summary = export_artifact(src, out, target, checkpoint_format=checkpoint_format, overwrite=overwrite,
+                              verify=not no_verify)
+    click.echo(f"wrote {summary['out']}: {summary['modules_exported']} linears as {target} in "
+               f"{summary['export_seconds']} s")
 
 
 @main.command("methods")
-def list_methods():
-    """List the available quantization methods and their settings."""
-    from quantkit.methods import METHODS
-
-    for name, cls in sorted(METHODS.items()):
-        click.echo(f"{name:12s} {', '.join(f'{k}={v}' for k, v in cls.params.items())}")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: every method with every field of its config.")
+def list_methods(as_json):
+    """List the quantization methods and their settings: option, default, allowed values, help."""
+    if as_json:
+        catalog = [{"method": name, "description": cls.__doc__, "config": cls.__name__, "settings": cls.describe()}
+                   for name, cls in CONFIGS.items()]
+        click.echo(json.dumps({"methods": catalog}, indent=2))
+        return
+    blocks = []
+    for name, cls in CONFIGS.items():
+        rows = [["/".join(flag_names(f)) if f.type is bool else option_name(f), show(f, f.default),
+                 "flag" if f.type is bool else f.metadata["allowed"], f.metadata["help"]] for f in options(cls)]
+        table = _table(rows, ["option", "default", "allowed", "help"])
+        blocks.append(f"{name}: {cls.__doc__}\n" + "\n".join("  " + line for line in table.splitlines()))
+    click.echo("\n\n".join(blocks))
 
 
 @main.group("eval")
@@ -308,18 +367,29 @@ def eval_group():
               default=["wikitext2"], show_default=True, help="Evaluation text (GPTQ protocol); repeatable.")
 @click.option("--seqlen", type=int, default=2048, show_default=True, help="Window length in tokens.")
 @click.option("--max-windows", type=int, default=None, help="Score only the first N windows [default: all].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Windows per forward pass.")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Compute dtype [default: float16 on cuda, float32 on cpu].")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
+@click.option("--against", default=None,
+              help="Reference model (usually the float checkpoint) scored on the same windows in the same pass: adds "
+                   "the mean and 99th percentile of the per-token KL divergence from it and the top-1 agreement.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help='Also write the results as JSON: {"results": [one object per model and dataset: ppl, protocol, ...]}.')
+              help='Also write the results as JSON: {"results": [one object per model and dataset: ppl, ppl_stderr, '
+                   'protocol, ...]}.')
 @data_dir_option
-def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir, bits):
-    """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol."""
+def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, no_verify, json_path, data_dir, bits,
+             against):
+    """Perplexity on WikiText-2 / C4 / PTB with the GPTQ protocol.
+
+    \b
+    PPL ± its standard error over windows. With --against REF, also KL(REF || model) per token (mean,
+    99th percentile) and how often both predict the same next token (top-1), as llama.cpp's
+    perplexity tool reports them: they separate quantizers that perplexity alone ranks as ties."""
     from quantkit.models import resolve_source
     from quantkit.pipeline import evaluate_ppl
 
@@ -327,22 +397,52 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
         raise QuantkitError("--seqlen must be at least 2")
     if max_windows is not None and max_windows < 1:
         raise QuantkitError("--max-windows must be at least 1")
-    for src in models:  # a typo in the last --model must not cost the evaluation of the first ones
+    for src in models + ((against,) if against else ()):  # a typo must not cost the evaluation of the others
         resolve_source(src)
+    _configure_cpu_threads(device)
     results = []
     for src in models:
         results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
-                                data_dir=data_dir, batch_size=batch_size, verify=not no_verify, bits=bits)
-    rows = [[r["model"] + (f" @{r['served_bits']}b" if "served_bits" in r else ""), r["dataset"], f"{r['ppl']:.3f}", f"{r['windows']}/{r['windows_available']}",
-             str(r["seqlen"]), r["protocol"], f"{r['seconds']:.1f}"] for r in results]
-    click.echo(_table(rows, ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]))
+                                data_dir=data_dir, batch_size=batch_size, verify=not no_verify, bits=bits,
+                                against=against)
+    click.echo(_ppl_table(results))
     if json_path:
         _write_json(json_path, {"results": results})  # one shape for one model or many
 
 
+def _ppl_table(results):
+    def plus_minus(value, stderr):
+        return f"{value:.3f}" if stderr is None else f"{value:.3f} ± {stderr:.3f}"
+
+    columns = ["model", "dataset", "ppl", "windows", "seqlen", "protocol", "seconds"]
+    against = any("kld_mean" in r for r in results)
+    if against:
+        columns[3:3] = ["KLD mean", "KLD p99", "top-1"]
+    rows = []
+    for r in results:
+        row = [r["model"] + (f" @{r['served_bits']}b" if "served_bits" in r else ""), r["dataset"],
+               plus_minus(r["ppl"], r.get("ppl_stderr")), f"{r['windows']}/{r['windows_available']}",
+               str(r["seqlen"]), r["protocol"], f"{r['seconds']:.1f}"]
+        if against:
+            row[3:3] = [f"{r['kld_mean']:.5f}", f"{r['kld_p99']:.4f}", f"{100 * r['top1_agreement']:.2f} %"]
+        rows.append(row)
+    return _table(rows, columns)
+
+
+def _configure_cpu_threads(device):
+    """On the CPU, size torch's thread pool to the cores that are free (quantkit/threads.py)."""
+    from quantkit.pipeline import resolve_device
+
+    if resolve_device(device) == "cpu":
+        from quantkit.threads import configure_torch_threads
+
+        configure_torch_threads()
+
+
 @main.command()
 @click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
-              help="quantkit artifact, or a float checkpoint (HF dir, hub id, .gguf, 'smollm2') to compare; repeatable.")
+              help="quantkit artifact, or a float checkpoint (HF dir, hub id, .gguf, 'smollm2') to compare; "
+                   "repeatable.")
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Text to complete; repeat for a batch.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--greedy/--sample", default=True, show_default=True, help="Argmax decoding, or sampling.")
@@ -455,7 +555,8 @@ def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
                  f"{report['bits_per_weight']:.5f}", "-" if formula_total is None else f"{formula_total:.5f}"])
     click.echo(_table(rows, ["module", "shape", "stored bits/weight", "formula"]))
     if "read_bits_per_weight" in report:
-        click.echo("read when serving: " + ", ".join(f"{b} bits -> {v:.5f}" for b, v in report["read_bits_per_weight"].items()))
+        served = report["read_bits_per_weight"].items()
+        click.echo("read when serving: " + ", ".join(f"{b} bits -> {v:.5f}" for b, v in served))
 
 
 @main.command()

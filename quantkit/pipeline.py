@@ -137,15 +137,18 @@ class _Job:
         if ensemble and self.resume:
             raise QuantkitError("--resume is not available with --ensemble (its two flows are not checkpointed)")
         if self.resume and not self.use_checkpoint:
-            raise QuantkitError("--resume continues from OUT.partial/, which --no-checkpoint turns off; give one of them")
+            raise QuantkitError("--resume continues from OUT.partial/, which --no-checkpoint turns off; "
+                                "give one of them")
         if ensemble:
             self.use_checkpoint = False
         if world > 1 and ensemble:
             raise QuantkitError("--ensemble runs in one process; launch it without torchrun")
         if world > 1 and "fisher" in quantizer.stats:
-            raise QuantkitError("--sensitivity fisher runs in one process; launch it without torchrun or use activation")
+            raise QuantkitError("--sensitivity fisher runs in one process; launch it without torchrun "
+                                "or use activation")
         if world > 1 and nsamples and nsamples < world:
-            raise QuantkitError(f"--nsamples {nsamples} is below the number of ranks ({world}); every rank needs a window")
+            raise QuantkitError(f"--nsamples {nsamples} is below the number of ranks ({world}); "
+                                "every rank needs a window")
 
     def summary(self) -> dict:
         out = {"world_size": self.ranks.world_size, "offload_activations": self.offload}
@@ -190,7 +193,8 @@ class _Job:
             self.checkpoint = LayerCheckpoint(self.out, self.fingerprint, self.ranks, nwindows)
             self.checkpoint.prepare(self.resume, self.overwrite)
             if self.resume and self.checkpoint.layers_done:
-                log.warning("resuming after %d finished layers from %s", self.checkpoint.layers_done, self.checkpoint.dir)
+                log.warning("resuming after %d finished layers from %s", self.checkpoint.layers_done,
+                            self.checkpoint.dir)
         try:
             return quantize_model(model, adapter, quantizer, calib_ids, device=self.device, progress=progress,
                                   module_stats=module_stats, checkpoint=self.checkpoint,
@@ -334,19 +338,29 @@ def load_for_eval(src, device="cpu", dtype=None, verify=True, bits=None):
 
 
 def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, dtype=None, data_dir=None,
-                 batch_size=1, verify=True, progress=True, bits=None):
+                 batch_size=1, verify=True, progress=True, bits=None, against=None):
     """Perplexity of one model on each dataset; one result dict per dataset, protocol included.
-    `bits` serves that width of an any-precision artifact (recorded as served_bits)."""
+    `bits` serves that width of an any-precision artifact (recorded as served_bits). `against`: a
+    reference model scored on the same windows (KL divergence, top-1 agreement; see eval/perplexity.py)."""
     device = resolve_device(device)
     model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
+    reference = reference_source = None
+    if against is not None:
+        reference, reference_tokenizer, reference_source = load_for_eval(against, device, dtype, verify)
+        if reference_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise QuantkitError(f"--against {reference_source.display} has another tokenizer than {source.display}; "
+                                "divergences compare next-token distributions over one vocabulary")
     quantized_with = {}
     if source.kind == "artifact":  # how the artifact was made: its calibration counts in comparisons too
         log = read_log(source.path)
-        quantized_with = {"quantized_with": {key: log.get(key) for key in ("model", "method", "settings", "calibration")}}
+        keys = ("model", "method", "settings", "calibration")
+        quantized_with = {"quantized_with": {key: log.get(key) for key in keys}}
     results = []
     for name in datasets:
         ids, protocol = eval_tokens(name, tokenizer, seqlen, data_dir)
-        scores = perplexity(model, ids, seqlen, max_windows, device, batch_size, progress)
+        scores = perplexity(model, ids, seqlen, max_windows, device, batch_size, progress, reference=reference)
+        if reference is not None:
+            scores["reference"] = reference_source.display
         results.append({"model": source.display, "model_kind": source.kind, **scores, **protocol,
                         "tokenizer": type(tokenizer).__name__, "tokenizer_source": tokenizer.name_or_path,
                         "vocab_size": len(tokenizer), **quantized_with,
@@ -368,7 +382,8 @@ def convert_artifact(src, out, fmt="bcq", overwrite=False):
     config = read_config(src)
     qcfg = config.pop("quantization_config")
     per_module, rest = split_module_tensors(read_tensors(src), qcfg["modules"])
-    qtensors = {name: quantized_tensor_from_state_dict(meta, per_module[name]) for name, meta in qcfg["modules"].items()}
+    qtensors = {name: quantized_tensor_from_state_dict(meta, per_module[name])
+                for name, meta in qcfg["modules"].items()}
     start = time.perf_counter()
     qtensors = convert_qtensors(qtensors, fmt)
     elapsed = time.perf_counter() - start

@@ -1,6 +1,7 @@
 """Any-precision seed + upscaling (3 -> 8 bits) on the CPU for every linear of SmolLM2: time per stage
-and weighted SSE per width, for the native (C++/OpenMP) path with the split and the joint upscaling
-rule, against the torch path of kmeans.py on the first --torch-layers decoder layers.
+and weighted SSE per width, for the native (C++/OpenMP) path with the split upscaling rule (exact
+2-means splits of every cluster, bit by bit), against the torch path of kmeans.py on the first
+--torch-layers decoder layers.
 
   python scripts/bench_anyprec_cpu.py --json out/anyprec_cpu.json          # ~1-2 min on 2 cores
   python scripts/bench_anyprec_cpu.py --quick                               # 4 layers, no torch path
@@ -12,10 +13,10 @@ The linears come from a safetensors file of {module name: fp32 [out, in]} (--lin
 statistic the engine gathers; its time is the sensitivity stage).
 
 Stages: compile (the extension's first build, cached afterwards; a cached load is timed otherwise),
-sensitivity, sort (sort + merge equal values + fp64 prefix sums), seed (exact k-means; with joint also
-the 2^(s+1)-run optimum), upscale (split, joint, tables and codes). Every row runs its stages in one
-go, so each stage is measured in thread-seconds (summed over threads) and given its share of the
-wall time; the CPU may be shared with other jobs, so the load average is printed too.
+sensitivity, sort (sort + merge equal values + fp64 prefix sums), seed (exact k-means), upscale (split,
+tables and codes). Every row runs its stages in one go, so each stage is measured in thread-seconds
+(summed over threads) and given its share of the wall time; the CPU may be shared with other jobs, so the
+load average is printed too.
 Quality: Σ weighted SSE at each width relative to the exact independent k-means at that width, on
 every --indep-stride-th row of every matrix. Prints a table, writes JSON with --json.
 """
@@ -78,7 +79,7 @@ def activation_sensitivity(model_src, names, nsamples, seqlen, data_dir):
 def stage_sums(results):
     """Seconds per table stage summed over matrices: "<stage>_thread_s" (summed over threads) and "<stage>"
     (the calls' wall time shared out in proportion to the thread-seconds)."""
-    groups = {"sort": ("prepare",), "seed": ("seed",), "upscale": ("split", "joint", "finish")}
+    groups = {"sort": ("prepare",), "seed": ("seed",), "upscale": ("split", "finish")}
     out = {key + "_thread_s": 0.0 for key in groups}
     out.update({key: 0.0 for key in groups})
     for r in results:
@@ -116,9 +117,9 @@ def run_torch(mats, sens, seed_bits, parent_bits):
 
 
 def main():
-    from quantkit.methods.kmeans_native import ISAS
+    from quantkit.methods.kmeans_native import ISAS, UPSCALE
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--linears", default=LINEARS, help="safetensors of {module name: weight} [%(default)s]")
     ap.add_argument("--dump-from", default=None, help="write --linears from this model first (e.g. smollm2)")
     ap.add_argument("--model", default="smollm2", help="model for --sensitivity activation [%(default)s]")
@@ -128,9 +129,6 @@ def main():
     ap.add_argument("--data-dir", default=None, help="calibration texts (layout of shared/data) [$QUANTKIT_DATA]")
     ap.add_argument("--seed-bits", type=int, default=3)
     ap.add_argument("--parent-bits", type=int, default=8)
-    ap.add_argument("--upscale", default="split,joint", help="rules to run, comma-separated [%(default)s]")
-    ap.add_argument("--level-weights", default=None, help="joint: comma-separated λ multipliers for bits seed..parent")
-    ap.add_argument("--window", type=int, default=None, help="joint: seed-cut window (default: the method's)")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads [torch.get_num_threads()]")
     ap.add_argument("--isa", default="auto", choices=ISAS,
                     help="instruction set of the extension's scans (the same results) [%(default)s]")
@@ -151,8 +149,7 @@ def main():
     from safetensors import safe_open
 
     from quantkit.kernels.build import load_cpu
-    from quantkit.methods.kmeans_native import DEFAULT_WINDOW, default_level_weights, native_anyprec, \
-        native_isa, native_kmeans_exact
+    from quantkit.methods.kmeans_native import native_anyprec, native_isa, native_kmeans_exact
 
     s, p = args.seed_bits, args.parent_bits
     start = time.perf_counter()
@@ -181,12 +178,9 @@ def main():
         sens_s = time.perf_counter() - start
 
     threads = args.threads or torch.get_num_threads()
-    level_weights = ([float(v) for v in args.level_weights.split(",")] if args.level_weights
-                     else default_level_weights(s, p))
-    window = DEFAULT_WINDOW if args.window is None else args.window
     report = {"linears": args.linears, "matrices": len(mats), "weights": weights, "rows": rows,
               "sensitivity": args.sensitivity, "seed_bits": s, "parent_bits": p, "threads": threads,
-              "level_weights": level_weights, "window": window, "cpu": platform.processor() or platform.machine(),
+              "upscale": UPSCALE, "cpu": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "isa": native_isa(args.isa), "torch": torch.__version__,
               "load_avg_start": load_avg(),
               "compile_seconds": compile_s, "compile_fresh": args.fresh_build, "sensitivity_seconds": sens_s,
@@ -197,20 +191,16 @@ def main():
           f"; sensitivity stage {sens_s:.2f} s")
 
     per_row = {}
-    for rule in args.upscale.split(","):
+    for rule in (UPSCALE,):  # the one rule; "rules" keeps the report's shape
         results, cpu0, start = [], time.process_time(), time.perf_counter()
         for k, w in mats.items():
-            results.append(native_anyprec(w, sens[k], s, p, rule, level_weights=level_weights, window=window,
-                                          threads=threads, isa=args.isa))
+            results.append(native_anyprec(w, sens[k], s, p, rule, threads=threads, isa=args.isa))
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
         sums = stage_sums(results)
         sse = [sum(r.sse[b].sum().item() for r in results) for b in range(s, p + 1)]
         per_row[rule] = results
-        entry = {"wall_seconds": wall, "process_cpu_seconds": cpu, "stages": sums, "weighted_sse": sse,
-                 "load_avg_end": load_avg()}
-        if rule == "joint":
-            entry["rows_changed"] = int(sum((r.objective[:, 1] < r.objective[:, 0]).sum().item() for r in results))
-        report["rules"][rule] = entry
+        report["rules"][rule] = {"wall_seconds": wall, "process_cpu_seconds": cpu, "stages": sums,
+                                 "weighted_sse": sse, "load_avg_end": load_avg()}
 
     if args.indep_stride:
         start = time.perf_counter()
@@ -266,10 +256,6 @@ def print_report(report, s, p):
         print("bits     " + "".join(f"{b:>9d}" for b in bits))
         for rule, ratio in ind["ratio"].items():
             print(f"{rule:8s} " + "".join(f"{v:9.4f}" for v in ratio))
-    if "split" in report["rules"] and "joint" in report["rules"]:
-        a, b = report["rules"]["split"]["weighted_sse"], report["rules"]["joint"]["weighted_sse"]
-        print("joint/split" + "".join(f"{y / x:9.4f}" for x, y in zip(a, b))
-              + f"   ({report['rules']['joint']['rows_changed']:,} rows changed)")
     if "torch_subset" in report:
         t = report["torch_subset"]
         print(f"\ntorch path (kmeans.py) vs native on the first {t['layers']} layer(s), {t['matrices']} matrices")

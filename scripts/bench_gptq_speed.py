@@ -36,7 +36,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--config", action="append", default=None,
-                    help="BITS:GROUP[:act_order][:static_groups][:clip_search] (default: 4:128, 3:128, 4:128:act_order)")
+                    help="BITS:GROUP[:act_order][:static_groups][:clip_search] "
+                         "(default: 4:128, 3:128, 4:128:act_order)")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)

@@ -1,5 +1,7 @@
-"""OOC quantization time per variant on the CPU (issue 6): the solver time of GPTQ(2) and of
-OOC(h,2,0.1,s) over every linear of a few SmolLM2 decoder layers, with real Hessians.
+"""OOC quantization time per variant on the CPU: the solver time of GPTQ(2) and of OOC(h,2,0.1,s).
+
+Every linear of a few SmolLM2 decoder layers, with real Hessians. The naive rows run the candidates one
+after another (p-OOC-Naive, benchmarks/ooc_naive.py), the others batched as quantkit does (p-OOC-Batch).
 
 The Grams come from one float forward pass of the calibration windows (timed apart: the engine
 repeats such passes per layer for every method alike); each variant then quantizes the same
@@ -12,6 +14,7 @@ from the measured layers (SmolLM2's 30 layers have identical shapes) and labelle
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -22,14 +25,17 @@ from quantkit.engine.stats import InputGramCollector
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, load_model, load_tokenizer, resolve_source
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ooc_naive import NaiveOOC  # noqa: E402
+
 PLAIN = {"act_order": False, "static_groups": False, "clip_search": False}
+# (label, method name or "ooc-naive", settings)
 VARIANTS = [("GPTQ(2)", "gptq", {"bits": 2, "group_size": 128, **PLAIN})] + [
-    (f"OOC(2,2,0.1,{s}){' per-row' if per_row else ''}{' naive' if impl == 'naive' else ''}", "ooc",
-     {"scan": s, "per_row": per_row, "impl": impl})
-    for s in (0.1, 0.2, 0.5, 1.0) for per_row in (False, True) for impl in ("batch",)
+    (f"OOC(2,2,0.1,{s}){' per-row' if per_row else ''}", "ooc", {"scan": s, "per_row": per_row})
+    for s in (0.1, 0.2, 0.5, 1.0) for per_row in (False, True)
 ] + [("OOC(3,2,0.1,0.2)", "ooc", {"high_bits": 3, "scan": 0.2}),
-     ("OOC(2,2,0.1,0.2) naive", "ooc", {"scan": 0.2, "impl": "naive"}),
-     ("OOC(2,2,0.1,1.0) naive", "ooc", {"scan": 1.0, "impl": "naive"})]
+     ("OOC(2,2,0.1,0.2) naive", "ooc-naive", {"scan": 0.2}),
+     ("OOC(2,2,0.1,1.0) naive", "ooc-naive", {"scan": 1.0})]
 
 
 def gather_grams(model, adapter, layer_ids, calib_ids):
@@ -74,13 +80,13 @@ def main():
     for label, method_name, params in VARIANTS:
         if wanted is not None and label not in wanted:
             continue
-        method = make_method(method_name, **params)
+        method = NaiveOOC(**params) if method_name == "ooc-naive" else make_method(method_name, **params)
         t0 = time.perf_counter()
         for key, st in stats.items():
             method.quantize(weights[key], st)
         seconds = time.perf_counter() - t0
         per_layer = seconds / len(layer_ids)
-        rows.append({"variant": label, "method": method_name, "settings": method.config(),
+        rows.append({"variant": label, "method": method.name, "settings": method.config(),
                      "seconds_measured_layers": round(seconds, 2), "seconds_per_layer": round(per_layer, 2),
                      "whole_model_solver_seconds_extrapolated": round(per_layer * total_layers, 1)})
         print(f"{label:32s} {per_layer:8.2f} s/layer   ~{per_layer * total_layers:7.1f} s for {total_layers} layers",

@@ -51,7 +51,7 @@ def parse_config(text):
             eval_bits = [int(b) for b in value.split("/")]
             continue
         params[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if isinstance(params[key], str) and key not in ("sensitivity", "impl", "upscale"):
+        if isinstance(params[key], str) and key != "sensitivity":
             params[key] = float(value) if "." in value else int(value)
     return method, params, eval_bits
 
@@ -127,7 +127,8 @@ def main():
     float_model = load_model(source, dtype=dtype)
     adapter = adapter_for(float_model.config)
     rows = []
-    meta = {"model": source.display, "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+    meta = {"model": source.display,
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
             "dtype": str(dtype), "torch": torch.__version__, "seqlen": args.seqlen, "date": time.strftime("%Y-%m-%d"),
             "windows": args.max_windows or "all", "eval_batch_size": args.batch_size}
 

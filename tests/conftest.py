@@ -1,12 +1,16 @@
-"""Shared fixtures: tiny llama/OPT models built from configs (no download), a tiny BPE tokenizer
-trained on WikiText-2 test text, the shared data directory, and the real SmolLM2 model."""
+"""Shared fixtures: tiny llama/OPT checkpoints (tests/factories.py), a tiny BPE tokenizer trained on
+WikiText-2 test text, the shared data directory, the real SmolLM2 model, and `requires`: the one place
+that checks, builds or loads what a test needs of the machine (a GPU, Triton, a compiled extension, a
+toolchain) and skips naming what is missing."""
 
 import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from factories import save_tiny, tiny_causal_lm
+from machine import GPU_REQUIREMENTS, REQUIREMENTS, require
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
@@ -48,31 +52,17 @@ def tiny_tokenizer(data_dir):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def _save(model, tokenizer, path):
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, rope_theta=100000.0)
-    return _save(LlamaForCausalLM(config).eval(), tiny_tokenizer, tmp_path_factory.mktemp("tiny-llama"))
+    model = tiny_causal_lm("llama", vocab=len(tiny_tokenizer), max_positions=256, tie_word_embeddings=True,
+                           rope_theta=100000.0, seed=0)
+    return save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_opt_dir(tmp_path_factory, tiny_tokenizer):
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(1)
-    config = OPTConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, ffn_dim=160, num_hidden_layers=2,
-                       num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64)
-    return _save(OPTForCausalLM(config).eval(), tiny_tokenizer, tmp_path_factory.mktemp("tiny-opt"))
+    model = tiny_causal_lm("opt", vocab=len(tiny_tokenizer), max_positions=256, seed=1)
+    return save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-opt"))
 
 
 @pytest.fixture(scope="session")
@@ -86,11 +76,11 @@ def smollm2_path():
 
 
 @pytest.fixture
-def run_interpreted():
+def run_interpreted(requires):
     """run_interpreted(code) -> the JSON its last printed line holds: `code` runs in a fresh process under
     Triton's interpreter (Triton picks interpreted or compiled kernels when it is imported, and another
     test may have imported it already), with tests/ and the repository first on sys.path as `{paths}`."""
-    pytest.importorskip("triton")
+    requires("triton")
     import subprocess
     import sys
 
@@ -104,3 +94,39 @@ def run_interpreted():
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     return run
+
+
+# ---- what a test needs of the machine ------------------------------------------------------------------
+# One vocabulary for every test (tests/machine.py): the `requires` fixture, requires(what) -> the thing, and
+# the marker @pytest.mark.requires(what, ...), which checks before any fixture is set up. Either skips,
+# naming what is missing and why. A marker that names a GPU requirement also marks the test `gpu`.
+
+@pytest.fixture(scope="session")
+def requires():
+    """requires(what) -> the thing, built or loaded once, or the test (or the fixture asking) is skipped.
+    `what` is one of machine.REQUIREMENTS: "cuda", "no_cuda", "sm90", "triton", "nvcc", "g++", "cuda_headers",
+    or an extension's name ("lutgemm", "gptq", "anyprec" on CUDA; "anyprec_cpu" on the CPU)."""
+    return require
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(*what): skip unless the machine has each of `what` "
+                                       "(the names of tests/machine.py REQUIREMENTS)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        named = {what for mark in item.iter_markers("requires") for what in mark.args}
+        unknown = named - set(REQUIREMENTS)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: unknown requirement(s) {sorted(unknown)}")
+        if named & GPU_REQUIREMENTS and not item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("requires"):
+        for what in mark.args:
+            require(what)

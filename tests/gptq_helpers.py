@@ -19,16 +19,6 @@ def correlated_inputs(n, d, gen, dtype=torch.float32):
     return x * torch.exp(torch.randn(d, generator=gen, dtype=dtype) * 0.5)
 
 
-def tiny_llama(seed=0):
-    """A 2-layer random llama built from its config (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
-
-
 def quantize_to_artifact(model, method, out_dir, seed=0):
     """Run the engine on `model` with random calibration ids and write the artifact.
     Returns (artifact dir, qtensors, log entries); `model` holds the dequantized weights after."""

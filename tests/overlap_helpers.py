@@ -1,8 +1,9 @@
 """Helper shared by the kernels' overlap tests (kernels/overlap.py): a chain of launches run with and
 without overlap, eagerly and captured in CUDA graphs, on fresh input into poisoned outputs."""
 
-import pytest
 import torch
+
+from machine import require
 
 
 def replay_chains(chain, x, outs, replays=3):
@@ -11,8 +12,8 @@ def replay_chains(chain, x, outs, replays=3):
     each run x is drawn afresh and every output filled with NaN. Yields after each run (eager first),
     once both chains have finished, for the caller's checks. Skips below compute capability 9.0, where
     launches never overlap."""
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
-        pytest.skip("overlap needs compute capability 9.0+")
+    with torch.cuda.device(x.device):
+        require("sm90")
 
     def fresh():
         x.copy_(torch.randn_like(x))

@@ -97,29 +97,23 @@ def test_unsupported_inputs_are_refused():
         assert not add_norm.supported(r, d, w, consume=True) and add_norm.supported(r, d.float(), w, consume=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires("cuda", "triton")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernel_matches_reference(case):
-    if not add_norm.available():
-        pytest.skip("Triton missing")
     residual, delta, weight = _case(*case, device="cuda")
     assert add_norm.supported(residual, delta, weight)
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
     assert _check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires("cuda", "triton")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernel_consumes_an_accumulator(case):
-    if not add_norm.available():
-        pytest.skip("Triton missing")
     assert _consumed(case, device="cuda") == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires("cuda", "triton")
 def test_cuda_kernel_reads_the_accumulator_before_it_clears():
     """As silu_mul's: a loop of calls on fresh accumulators, each must match (a race shows in a few)."""
-    if not add_norm.available():
-        pytest.skip("Triton missing")
     failures = [i for i in range(50) if _consumed((1, 4096, torch.float16, False), device="cuda")]
     assert failures == []

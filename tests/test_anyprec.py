@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from factories import tiny_causal_lm
 from quantkit import bitfamily
 from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionTensor, pack_bitplanes, unpack_bitplanes
@@ -50,11 +51,13 @@ def test_bitplane_round_trip(bits, d):
     for top in range(1, bits + 1):  # the top planes alone give the top bits
         assert torch.equal(unpack_bitplanes(planes, d, top), codes >> (bits - top))
     # plane 0 is the most significant bit; bit j of word w is column 32w + j
-    assert ((planes[0, :, 0].to(torch.int64) & 0xFFFFFFFF) >> 1 & 1).tolist() == ((codes[:, 1] >> (bits - 1)) & 1).tolist()
+    column1_top_bit = (planes[0, :, 0].to(torch.int64) & 0xFFFFFFFF) >> 1 & 1
+    assert column1_top_bit.tolist() == ((codes[:, 1] >> (bits - 1)) & 1).tolist()
 
 
 def _anyprec(weight, stats, seed=3, parent=8, sensitivity="activation"):
-    return make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity).quantize(weight, stats)[0]
+    method = make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity)
+    return method.quantize(weight, stats)[0]
 
 
 def test_codes_are_nested_and_tables_agree():
@@ -73,11 +76,9 @@ def test_codes_are_nested_and_tables_agree():
     # each split refines its parent cluster: error falls with every extra bit
     errs = [(qt.dequantize(bits=b) - weight).pow(2).mul(stats["xtx"].diagonal()).sum().item() for b in range(3, 9)]
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
-    # with upscale="split" (the default) the seed is the squeezellm result at 3 bits ("joint" moves the
-    # seed's boundaries, at most 1 % more seed SSE, for the finer widths' sake)
-    split = make_method("anyprec", seed_bits=3, parent_bits=8, upscale="split").quantize(weight, stats)[0]
+    # splitting never moves the seed's boundaries: the seed is the squeezellm result at 3 bits
     sq, _ = make_method("squeezellm", bits=3).quantize(weight, stats)
-    assert torch.equal(sq.dequantize(), split.dequantize(bits=3))
+    assert torch.equal(sq.dequantize(), qt.dequantize(bits=3))
     with pytest.raises(QuantkitError):
         qt.dequantize(bits=2)
 
@@ -170,14 +171,9 @@ def test_cli_quantize_and_eval_bits(tiny_llama_dir, tmp_path, data_dir):
 
 
 def test_fisher_sensitivity_matches_per_window_autograd():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from quantkit.engine.fisher import fisher_sensitivity
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_causal_lm("llama", vocab=96, hidden=32, intermediate=64, seed=0)
     ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(0))
     fisher = fisher_sensitivity(model, ids)
     assert "lm_head" not in fisher and len(fisher) == 2 * 7
@@ -245,7 +241,7 @@ def test_preset_is_the_paper_setting_with_method_defaults():
     assert values.pop("method") == "anyprec"
     method = make_method("anyprec", **values)
     assert (method.seed_bits, method.parent_bits, method.sensitivity) == (3, 8, "fisher")
-    assert method.upscale == make_method("anyprec").upscale == "split"  # the preset names the default
+    assert method.config()["upscale"] == "split"  # recorded, not a setting
 
 
 @pytest.mark.parametrize("bad", ["weight_nan", "weight_inf", "sens_inf", "sens_negative"])

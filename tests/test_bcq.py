@@ -6,6 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from factories import tiny_causal_lm
 from quantkit import bitfamily
 from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
 from quantkit.cli import main
@@ -208,14 +209,8 @@ def test_uniform_with_g_idx_is_refused():
 
 # ---- a tiny llama through the engine, the artifact and the runtime ------------------------------
 
-def _tiny_llama(intermediate=80):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rope_theta=100000.0)
-    return LlamaForCausalLM(config).eval()
+def _tiny_llama():
+    return tiny_causal_lm("llama", intermediate=80, max_positions=128, rope_theta=100000.0, seed=0)
 
 
 def _write(model, qtensors, out, qcfg):

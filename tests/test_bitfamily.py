@@ -1,3 +1,5 @@
+"""The k-OOC bit-family formulas against the paper's values, and measured bits of artifacts."""
+
 import json
 
 import pytest

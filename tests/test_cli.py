@@ -5,6 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from factories import save_tiny, tiny_causal_lm
 from quantkit.cli import main
 
 
@@ -14,7 +15,7 @@ def run(*args):
 
 def _one_line_error(result, fragment):
     assert result.exit_code == 2, result.output
-    lines = [l for l in result.output.splitlines() if l.startswith("error:")]
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and fragment in lines[0], result.output
 
 
@@ -62,24 +63,20 @@ def test_bad_settings_fail_with_one_line(tiny_llama_dir, tmp_path, args, fragmen
 
 
 def test_missing_model(tmp_path):
-    _one_line_error(run("quantize", "--model", tmp_path / "nothing.gguf", "--out", tmp_path / "q"), "GGUF file not found")
+    _one_line_error(run("quantize", "--model", tmp_path / "nothing.gguf", "--out", tmp_path / "q"),
+                    "GGUF file not found")
     _one_line_error(run("eval", "ppl", "--model", tmp_path), "has no config.json")
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    save_tiny(tiny_causal_lm("gpt2", layers=1, hidden=32, heads=2, vocab=64), None, tmp_path / "gpt2")
     result = run("quantize", "--model", tmp_path / "gpt2", "--out", tmp_path / "q")
     assert result.exit_code == 2
     assert "unsupported architecture 'gpt2'" in result.output and "llama" in result.output and "opt" in result.output
 
 
+@pytest.mark.requires("no_cuda")
 def test_cuda_requested_without_cuda(tiny_llama_dir, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
     _one_line_error(run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "q", "--device", "cuda"),
                     "no CUDA device")
 

@@ -1,3 +1,5 @@
+"""Text readers and the GPTQ protocol: evaluation strings, calibration windows, seeds."""
+
 import pytest
 import torch
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from oracles import attended_inputs, decode_torch
 from quantkit.runtime import decode_attention as da
 
 # (batch, heads, kv heads, cache length, head dim, last attended position)
@@ -83,7 +84,7 @@ def _check_rope_and_sums(case, device="cpu", dtype=torch.float16, counters=None)
     want_sums, want_keys, want_values = sums.clone(), keys.clone(), values.clone()
     wq, wk, wv = (t.view(case[0], 1, -1, case[4]).transpose(1, 2)
                   for t in want_sums.split([case[1] * case[4], case[2] * case[4], case[2] * case[4]], dim=-1))
-    want = da.decode_torch(wq, want_keys, want_values, position, case[4] ** -0.5, (wk, wv), rope, consume=True)
+    want = decode_torch(wq, want_keys, want_values, position, case[4] ** -0.5, (wk, wv), rope, consume=True)
     got = da.decode(q, keys, values, position, case[4] ** -0.5, counters, new_kv=(k, v), rope=rope, consume=True)
     problems = []
     if sums.any():
@@ -101,13 +102,13 @@ def test_attended_inputs_rotate_as_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     sums, q, k, v, *_, rope = _sums_case(2, 6, 2, 200, 64, 150, dtype=torch.float32)
-    got_q, (got_k, got_v) = da.attended_inputs(q, (k, v), torch.float32, rope)
+    got_q, (got_k, got_v) = attended_inputs(q, (k, v), torch.float32, rope)
     want_q, want_k = apply_rotary_pos_emb(q, k, *rope)
     torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(got_v, v)
     # consume: the matvec's fp16 rounding, then the dtype
-    got_q, _ = da.attended_inputs(q, None, torch.bfloat16, consume=True)
+    got_q, _ = attended_inputs(q, None, torch.bfloat16, consume=True)
     assert torch.equal(got_q, q.half().bfloat16())
 
 
@@ -194,14 +195,11 @@ def test_attention_forward_writes_a_pending_position_before_sdpa():
     assert torch.equal(got, want)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires("cuda", "triton")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES + [(1, 32, 32, 1152, 128, 700), (4, 8, 8, 96, 256, 95)],
                          ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c) if isinstance(c, tuple) else str(c))
 def test_cuda_kernel_matches_reference(case, dtype):
-    if not da.available():
-        pytest.skip("Triton is not installed")
     query, keys, values, position = _case(*case, dtype=dtype, device="cuda")
     counters = da.counters(case[0], case[1], "cuda")
     for _ in range(3):  # the same counters again: each call leaves them zero
@@ -216,12 +214,9 @@ def test_cuda_kernel_matches_reference(case, dtype):
     assert not counters.any()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires("cuda", "triton")
 def test_cuda_kernel_reads_its_position_in_a_graph():
     # one captured launch serves every position: the position is read on the device at each replay
-    if not da.available():
-        pytest.skip("Triton is not installed")
     query, keys, values, position = _case(1, 8, 8, 320, 128, 319, device="cuda")
     keys, values = keys.nan_to_num(0.0), values.nan_to_num(0.0)
     counters = da.counters(1, 8, "cuda")

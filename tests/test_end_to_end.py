@@ -72,7 +72,8 @@ def test_reloaded_codes_equal_quantizer_codes(tiny_llama_dir, tmp_path, data_dir
     _rtn(tiny_llama_dir, out, data_dir, bits=3, group_size=32)
     float_model = load_model(resolve_source(str(tiny_llama_dir)))
     name = "model.layers.1.mlp.down_proj"
-    expected, _ = make_method("rtn", bits=3, group_size=32).quantize(float_model.get_submodule(name).weight.float(), None)
+    weight = float_model.get_submodule(name).weight.float()
+    expected, _ = make_method("rtn", bits=3, group_size=32).quantize(weight, None)
     stored = load_quantized(out).get_submodule(name).qtensor()
     assert torch.equal(stored.codes(), expected.codes())
     assert torch.equal(stored.scales, expected.scales)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gptq_helpers import tiny_llama
+from factories import tiny_causal_lm
 from quantkit.artifact import read_config, read_log
 from quantkit.cli import main
 from quantkit.engine import quantize_model
@@ -30,7 +30,7 @@ def test_flows_are_plain_gptq_low_and_the_ooc_method():
 
 
 def test_run_flows_keeps_the_lower_validation_loss_and_matches_standalone_runs():
-    model = tiny_llama(0)
+    model = tiny_causal_lm(intermediate=128, seed=0)
     adapter = adapter_for(model.config)
     ooc = make_method("ooc", low_bits=2, high_bits=4, clear_fraction=0.25, scan=1.0, group_size=32)
     flows = ooc_flows(ooc)
@@ -39,7 +39,7 @@ def test_run_flows_keeps_the_lower_validation_loss_and_matches_standalone_runs()
     assert [r["chosen"] for r in reports].count(True) == 1 and reports[best]["chosen"]
     assert reports[best]["validation_nll"] == min(r["validation_nll"] for r in reports)
     for k, (_, method) in enumerate(flows):  # every flow's validation loss is that of a standalone run
-        alone = tiny_llama(0)
+        alone = tiny_causal_lm(intermediate=128, seed=0)
         q_alone, _ = quantize_model(alone, adapter, method, calib, progress=False)
         assert validation_nll(alone, val, "cpu") == pytest.approx(reports[k]["validation_nll"], rel=1e-6)
         if k == best:
@@ -63,7 +63,8 @@ def test_validation_windows_avoid_calibration_documents(tiny_tokenizer, data_dir
 def test_cli_ensemble_writes_the_chosen_flow(tmp_path, tiny_llama_dir, data_dir):
     out = tmp_path / "ens"
     args = ["quantize", "--model", tiny_llama_dir, "--method", "ooc", "--high-bits", 3, "--scan", 1.0, "--ensemble",
-            "--val-windows", 2, "--out", out, "--nsamples", 2, "--seqlen", 128, "--data-dir", data_dir, "--group-size", 32]
+            "--val-windows", 2, "--out", out, "--nsamples", 2, "--seqlen", 128, "--data-dir", data_dir,
+            "--group-size", 32]
     result = CliRunner().invoke(main, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     assert "<- kept" in result.output and "flow GPTQ(2)" in result.output

@@ -67,3 +67,26 @@ def test_divergence_grows_with_the_perturbation_and_agrees_with_a_direct_sum(mod
         q = F.log_softmax(noisy(windows).logits[:, :-1].double(), -1)
     direct = (p.exp() * (p - q)).sum(-1)
     assert large["kld_mean"] == pytest.approx(direct.mean().item(), rel=1e-4)
+
+
+def test_cli_against_reports_divergence_columns_and_json(tiny_llama_dir, data_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+    from quantkit.pipeline import quantize_checkpoint
+
+    artifact = tmp_path / "rtn3"
+    quantize_checkpoint(str(tiny_llama_dir), artifact, "rtn", {"bits": 3, "group_size": 32}, nsamples=0,
+                        device="cpu", progress=False, checkpoint=False)
+    out = tmp_path / "ppl.json"
+    result = CliRunner().invoke(main, ["eval", "ppl", "--model", str(artifact), "--against", str(tiny_llama_dir),
+                                       "--seqlen", "32", "--max-windows", "4", "--device", "cpu", "--data-dir",
+                                       str(data_dir), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    header = result.stdout.splitlines()[0]  # progress bars go to stderr
+    assert "KLD mean" in header and "top-1" in header and " ± " in result.stdout
+    row = json.loads(out.read_text())["results"][0]
+    assert row["kld_mean"] > 0 and 0 < row["top1_agreement"] <= 1 and row["reference"] == str(tiny_llama_dir)
+    assert row["ppl_stderr"] > 0 and row["reference_ppl"] != row["ppl"]

@@ -45,7 +45,8 @@ def test_compressed_tensors_own_decoder_gives_quantkit_weights(bits, group_size,
 
     qt = _uniform(bits, group_size, sym)
     config = ct_export.quantization_config(_settings(qt, group_size), ["lm_head"])
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**config["config_groups"]["group_0"]["weights"]))
+    scheme = QuantizationScheme(targets=["Linear"],
+                                weights=QuantizationArgs(**config["config_groups"]["group_0"]["weights"]))
     decoded = PackedQuantizationCompressor.decompress(dict(ct_export.module_tensors(qt)), scheme)["weight"]
     assert ct.__version__ and decoded.dtype == torch.float16
     assert torch.equal(decoded, qt.dequantize(torch.float16))
@@ -163,3 +164,19 @@ def test_export_writes_gptq_checkpoint_and_refuses_other_methods(rtn_artifacts, 
     assert not bad.exists() and not list(tmp_path.glob(".refused*"))
     with pytest.raises(QuantkitError, match="not a quantkit artifact|has no config.json"):
         export_artifact(tmp_path / "nothing-here", bad, "gptq")
+
+
+def test_cli_export_and_its_one_line_refusal(rtn_artifacts, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", str(rtn_artifacts[False]), "--to", "gptq", "--out", str(tmp_path / "g")])
+    assert result.exit_code == 2 and not (tmp_path / "g").exists()
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--to compressed-tensors" in errors[0]
+    result = runner.invoke(main, ["export", str(rtn_artifacts[False]), "--to", "gptq", "--checkpoint-format",
+                                  "gptq_v2", "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]["sym"] is False

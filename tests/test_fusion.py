@@ -3,27 +3,19 @@
 import functools
 import inspect
 
+import pytest
 import torch
 
-import pytest
-
+from factories import tiny_causal_lm
+from oracles import decode_torch
 from quantkit.runtime.fusion import RECOMPILE_LIMIT, fuse_pointwise, unfuse_pointwise
 from quantkit.runtime.generate import StaticGreedyDecoder
-
-
-def _tiny_llama(layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
 
 
 def test_fused_llama_matches_eager_and_decodes_the_same_tokens():
     from transformers.models.llama import modeling_llama
 
-    model = _tiny_llama()
+    model = tiny_causal_lm(vocab=97)
     original_rotary = modeling_llama.apply_rotary_pos_emb
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -48,9 +40,7 @@ def test_fused_llama_matches_eager_and_decodes_the_same_tokens():
 
 def test_unknown_pieces_are_left_alone():
     """An MLP with another activation keeps its forward; a non-Llama model gets nothing replaced."""
-    from transformers import OPTConfig, OPTForCausalLM
-
-    model = _tiny_llama(layers=1)
+    model = tiny_causal_lm(vocab=97, layers=1)
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()
     try:
         counts = fuse_pointwise(model)
@@ -58,8 +48,7 @@ def test_unknown_pieces_are_left_alone():
         assert "forward" not in vars(model.model.layers[0].mlp)
     finally:
         unfuse_pointwise(model)
-    opt = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
-                                   num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32))
+    opt = tiny_causal_lm("opt", vocab=50, hidden=32, intermediate=64, layers=1, heads=2, max_positions=32)
     assert fuse_pointwise(opt) == {"rms_norm": 0, "mlp": 0, "rotary": 0, "rotary_angles": 0, "residual_norm": 0}
 
 
@@ -78,7 +67,7 @@ def test_residual_adds_are_normed_in_the_kernel_that_adds_them(monkeypatch):
         return run
 
     monkeypatch.setattr(fusion, "_compiled", eager)
-    model = _tiny_llama(layers=3)
+    model = tiny_causal_lm(vocab=97, layers=3)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         want = model(ids, output_hidden_states=True)
@@ -111,7 +100,7 @@ def test_a_handed_on_norm_is_not_used_after_an_in_place_change(monkeypatch):
     from quantkit.runtime import fusion
 
     monkeypatch.setattr(fusion, "_compiled", lambda fn: fn)
-    model = _tiny_llama(layers=2)
+    model = tiny_causal_lm(vocab=97, layers=2)
     model.model.layers[0].register_forward_hook(lambda module, args, out: out.mul_(2))
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -147,7 +136,7 @@ def test_a_decoder_layer_that_differs_is_not_restated(monkeypatch):
 
     # the same statements under an unknown decorator: what the decorator does would be lost
     assert not _restated_layer(passthrough(inspect.unwrap(modeling_llama.LlamaDecoderLayer.forward)))
-    model = _tiny_llama(layers=2)
+    model = tiny_causal_lm(vocab=97, layers=2)
     layer = model.model.layers[1]
     layer.__class__ = ScaledLayer  # its own forward: the residual fusion must leave it alone
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(6))
@@ -171,7 +160,8 @@ def _quantize_linears(model, kind):
     from quantkit.runtime import QuantLinear
 
     gen = torch.Generator().manual_seed(3)
-    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]:
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    for name, linear in linears:
         k, d = linear.weight.shape
         if kind == "uniform":
             qt, _ = make_method("rtn", bits=4, group_size=32).quantize(linear.weight.detach(), None)
@@ -187,13 +177,14 @@ def _quantize_linears(model, kind):
 def test_stacked_projections_compute_the_same_outputs(kind):
     from quantkit.runtime.fusion import fuse_projections
 
-    model = _tiny_llama()
+    model = tiny_causal_lm(vocab=97)
     if kind != "float":
         _quantize_linears(model, kind)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         want = model(ids).logits
-    originals = {n: m for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
+    stacked = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    originals = {n: m for n, m in model.named_modules() if n.endswith(stacked)}
     handle = fuse_projections(model)
     assert handle.count == 2 * 2  # qkv and gate/up of both layers
     stacked = model.model.layers[0].self_attn.fused_q_k_v
@@ -220,18 +211,19 @@ def test_stacked_projections_compute_the_same_outputs(kind):
 def test_projections_that_differ_stay_apart():
     from quantkit.runtime.fusion import fuse_projections
 
-    model = _quantize_linears(_tiny_llama(layers=2), "anyprec")
+    model = _quantize_linears(tiny_causal_lm(vocab=97, layers=2), "anyprec")
     model.model.layers[0].self_attn.k_proj.set_bits(3)  # q, v serve 4 bits
     # gate uniform, up BCQ (the same codes converted): both serve bits=None, but they are different formats
     from quantkit.formats.bcq import bcq_from_uniform
     from quantkit.runtime import QuantLinear
 
-    uniform = _quantize_linears(_tiny_llama(layers=1), "uniform").model.layers[0].mlp
+    uniform = _quantize_linears(tiny_causal_lm(vocab=97, layers=1), "uniform").model.layers[0].mlp
     model.model.layers[1].mlp.gate_proj = uniform.gate_proj
     model.model.layers[1].mlp.up_proj = QuantLinear(bcq_from_uniform(uniform.up_proj.qtensor()), None)
     handle = fuse_projections(model)
     assert handle.count == 2
-    assert hasattr(model.model.layers[0].mlp, "fused_gate_up") and hasattr(model.model.layers[1].self_attn, "fused_q_k_v")
+    assert hasattr(model.model.layers[0].mlp, "fused_gate_up")
+    assert hasattr(model.model.layers[1].self_attn, "fused_q_k_v")
     assert not hasattr(model.model.layers[0].self_attn, "fused_q_k_v")
     assert not hasattr(model.model.layers[1].mlp, "fused_gate_up")
 
@@ -271,7 +263,7 @@ def test_quantized_matvecs_leave_their_sums_to_the_next_kernel(monkeypatch):
     from quantkit.runtime.fusion import fuse_projections
 
     calls = _fake_accumulations(monkeypatch)
-    model = _quantize_linears(_tiny_llama(layers=3), "uniform").half()
+    model = _quantize_linears(tiny_causal_lm(vocab=97, layers=3), "uniform").half()
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(8))
     handle = fuse_projections(model)  # stacked uniform projections run on their BCQ form: the reference too
     ids10 = torch.cat([ids, ids], dim=1)  # 10 tokens: past the fused decode path, ordinary calls
@@ -329,7 +321,7 @@ def _split_decoder(model, max_len):
     from quantkit.runtime import decode_attention
 
     decoder = StaticGreedyDecoder(model, max_len=max_len)
-    decoder.split_attention = decoder._kernel_writes_cache = True
+    decoder.split_attention = True
     decoder._attention_step = decode_attention.DecodeStep(
         decoder.pos, decode_attention.counters(1, model.config.num_attention_heads, "cpu"),
         layer_cache=decoder._layer_cache)
@@ -348,14 +340,14 @@ def test_decode_steps_rotate_and_finish_qkv_in_the_attention_call(monkeypatch, k
     from quantkit.runtime.fusion import fuse_projections
 
     calls = _fake_accumulations(monkeypatch)
-    model = _quantize_linears(_tiny_llama(layers=3), "uniform").half()
+    model = _quantize_linears(tiny_causal_lm(vocab=97, layers=3), "uniform").half()
     handle = fuse_projections(model)
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(8))
     kernel_calls = []
     if kernel == "emulated":
         def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, rope=None, consume=False):
             kernel_calls.append((rope is not None, consume))
-            return decode_attention.decode_torch(query, keys, values, position, scale, new_kv, rope, consume)
+            return decode_torch(query, keys, values, position, scale, new_kv, rope, consume)
 
         monkeypatch.setattr(decode_attention, "supported", lambda *args, **kwargs: True)
         monkeypatch.setattr(decode_attention, "decode", decode)
@@ -370,7 +362,8 @@ def test_decode_steps_rotate_and_finish_qkv_in_the_attention_call(monkeypatch, k
             got = _split_decoder(model, 16).generate(ids, 6)
         assert torch.equal(got, want)
         layers = model.model.layers
-        prefill = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+        prefill = [m for layer in layers
+                   for m in (layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         per_step = [m for layer in layers for m in (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj,
                                                     layer.mlp.fused_gate_up, layer.mlp.down_proj)]
         assert [id(m) for m in calls] == [id(m) for m in prefill + per_step * 5]  # 5 decode steps
@@ -418,7 +411,7 @@ def test_rotary_angles_are_restated_for_static_rope_types_only():
     from quantkit.runtime.fusion import _restates_rotary
 
     assert _restates_rotary(modeling_llama.LlamaRotaryEmbedding.forward)
-    model = _tiny_llama()
+    model = tiny_causal_lm(vocab=97)
     rotary = model.model.rotary_emb
     x = torch.zeros(1, dtype=torch.float16)
     positions = torch.tensor([[0, 1, 7, 63], [5, 6, 8, 9]])

@@ -17,7 +17,6 @@ from quantkit.formats.bcq import pack_planes, unpack_planes
 from quantkit.formats.packing import pack_rows, unpack_rows, words_per_row
 from quantkit.formats.uniform import UniformQuantizedTensor
 
-
 # --- packing -------------------------------------------------------------------------------------
 
 def reference_words(row, bits):
@@ -110,21 +109,22 @@ def test_bcq_and_anyprec_planes_roundtrip():
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     """A small rtn artifact in three shards, and the state of the model it loads to."""
+    from factories import tiny_causal_lm
     from quantkit.artifact import float_tensors, write_artifact
     from quantkit.engine import quantize_model
     from quantkit.methods import make_method
     from quantkit.models import adapter_for
     from quantkit.runtime import load_quantized
-    from gptq_helpers import tiny_llama
 
-    model = tiny_llama(seed=5)
+    model = tiny_causal_lm(intermediate=128, seed=5)
     adapter = adapter_for(model.config)
     method = make_method("rtn", bits=3, group_size=32)
     qtensors, entries = quantize_model(model, adapter, method, None, progress=False)
     out = tmp_path_factory.mktemp("fuzz") / "art"
     write_artifact(out, model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
-                   float_tensors=float_tensors(model, qtensors), quantization_config={"method": "rtn", **method.config()},
-                   quant_log={"modules": entries}, max_shard_bytes=25_000)
+                   float_tensors=float_tensors(model, qtensors),
+                   quantization_config={"method": "rtn", **method.config()}, quant_log={"modules": entries},
+                   max_shard_bytes=25_000)
     assert len(list(out.glob("*.safetensors"))) >= 3
     return out, _state(load_quantized(out))
 
@@ -168,8 +168,9 @@ def _mutate_json(rng, tree, focus=None):
     new = {"null": None, "string": str(value) + "x", "list": [value], "other_type": {"x": 1}, "flip": not value,
            "plus": value + 1 if isinstance(value, (int, float)) else None,
            "minus": value - 1 if isinstance(value, (int, float)) else None,
-           "negate": -value if isinstance(value, (int, float)) else None, "huge": 10**12, "double": value * 2 if
-           isinstance(value, (int, float)) else None, "nan": float("nan"), "append": f"{value}!", "empty": type(value)()}
+           "negate": -value if isinstance(value, (int, float)) else None, "huge": 10**12,
+           "double": value * 2 if isinstance(value, (int, float)) else None, "nan": float("nan"),
+           "append": f"{value}!", "empty": type(value)()}
     if op == "delete":
         del parent[key]
     elif op == "drop_child":

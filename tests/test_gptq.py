@@ -8,6 +8,8 @@ import pytest
 import torch
 import yaml
 
+from factories import tiny_causal_lm
+from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact
 from quantkit.artifact import read_config, read_tensors, split_module_tensors
 from quantkit.engine import quantize_model
 from quantkit.errors import QuantkitError
@@ -19,8 +21,6 @@ from quantkit.methods.rtn import RTN, rtn_quantize
 from quantkit.models import adapter_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact, tiny_llama
 
 
 def plain_gptq(weight, xtx, nsamples, bits, group_size, sym, damp=0.01, act_order=False, static_groups=False):
@@ -85,7 +85,8 @@ def test_beats_rtn_on_correlated_inputs():
         gen = torch.Generator().manual_seed(seed)
         x = correlated_inputs(4 * d, d, gen)
         weight = torch.randn(k, d, generator=gen)
-        qt, _ = GPTQ(bits=bits, group_size=group_size, **{**PLAIN, "act_order": act_order}).quantize(weight, hessian_stats(x))
+        method = GPTQ(bits=bits, group_size=group_size, **{**PLAIN, "act_order": act_order})
+        qt, _ = method.quantize(weight, hessian_stats(x))
         rtn, _ = RTN(bits=bits, group_size=group_size).quantize(weight, None)
         e_gptq = output_error(x, weight, qt.dequantize())
         e_rtn = output_error(x, weight, rtn.dequantize())
@@ -121,7 +122,8 @@ def test_block_size_does_not_change_result_fp32():
     gen = torch.Generator().manual_seed(1)
     x = correlated_inputs(400, 200, gen)
     weight = torch.randn(32, 200, generator=gen)
-    results = [GPTQ(bits=4, group_size=48, block_size=b, **PLAIN).quantize(weight, hessian_stats(x))[0].codes() for b in (7, 64, 128)]
+    results = [GPTQ(bits=4, group_size=48, block_size=b, **PLAIN).quantize(weight, hessian_stats(x))[0].codes()
+               for b in (7, 64, 128)]
     for other in results[1:]:  # fp32 rounding of the lazy updates may flip a rare tie
         assert (other != results[0]).float().mean() < 1e-3
 
@@ -130,7 +132,7 @@ def test_block_size_does_not_change_result_fp32():
 def test_act_order_artifact_round_trip(tmp_path, static_groups):
     from quantkit.runtime import load_quantized
 
-    model = tiny_llama()
+    model = tiny_causal_lm(intermediate=128, seed=0)
     method = make_method("gptq", bits=3, group_size=24, act_order=True, static_groups=static_groups)
     out, qtensors, entries = quantize_to_artifact(model, method, tmp_path / "art")
     modules = read_config(out)["quantization_config"]["modules"]
@@ -200,8 +202,8 @@ def test_presets_and_cli_options():
         assert defaults[key] is None, key
 
 
-def test_engine_gptq_beats_rtn_ontiny_llama():
-    model = tiny_llama(1)
+def test_engine_gptq_beats_rtn_on_tiny_llama():
+    model = tiny_causal_lm(intermediate=128, seed=1)
     adapter = adapter_for(model.config)
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     logs = {}
@@ -214,8 +216,7 @@ def test_engine_gptq_beats_rtn_ontiny_llama():
     assert all(e["damp"] == 0.01 and e["gptq_loss"] > 0 for e in logs["gptq"].values())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.requires("cuda")
 @pytest.mark.parametrize("static_groups", [False, True])  # with static groups no g_idx is stored
 def test_cuda_matches_cpu(static_groups):
     gen = torch.Generator().manual_seed(5)

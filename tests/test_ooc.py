@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+from factories import tiny_causal_lm
+from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact
 from quantkit.artifact import read_config, read_tensors, split_module_tensors
 from quantkit.bitfamily import formula_for_meta, measured_bits, ooc_eq4_exact
 from quantkit.errors import QuantkitError
@@ -14,8 +16,6 @@ from quantkit.formats.ooc import OOCQuantizedTensor, ooc_stored_bits
 from quantkit.methods import make_method
 from quantkit.methods.gptq import GPTQ, gptq_quantize, inverse_cholesky, prepare_hessian
 from quantkit.methods.ooc import OOC, clear_count, ooc_gptq, select_candidates
-
-from gptq_helpers import PLAIN, correlated_inputs, hessian_stats, quantize_to_artifact, tiny_llama
 
 
 def problem(k, d, seed, dtype=torch.float64):
@@ -64,7 +64,8 @@ def test_candidates_follow_salience():
     assert groups == torch.argsort(sums, descending=True)[:2].tolist()
     for j, c in zip(groups, cols):
         assert c.shape == (6,) and bool((c // 64 == j).all())
-        assert set(c.tolist()) == set((torch.argsort(score[j * 64 : (j + 1) * 64], descending=True)[:6] + j * 64).tolist())
+        top6 = torch.argsort(score[j * 64 : (j + 1) * 64], descending=True)[:6] + j * 64
+        assert set(c.tolist()) == set(top6.tolist())
     assert select_candidates(h, w, 64, 0.0, 6)[0] == []
     assert 3 not in select_candidates(h, w, 64, 1.0, 13)[0]  # the 8-wide last group cannot hold 13 clear columns
 
@@ -84,7 +85,7 @@ def test_choice_minimises_probe_loss(high, per_row):
         assert info["probe_loss"] == min(options)
         assert info["odd_group"] == info["ooc_candidates"][options.index(min(options)) - 1]
     # each candidate's recorded loss is the loss of that candidate alone (s picks exactly it)
-    for m, group in enumerate(info["ooc_candidates"]):
+    for m in range(len(info["ooc_candidates"])):
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
         u, _ = inverse_cholesky(h, 0.01)
         _, cols = select_candidates(h, w, 64, 1.0, 6)
@@ -109,11 +110,16 @@ def test_per_row_never_worse_than_per_matrix(seed):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_naive_equals_batch(dtype, per_row):
+def test_one_candidate_at_a_time_equals_batch(dtype, per_row):
+    class OneAtATime(OOC):  # p-OOC-Naive (benchmarks/ooc_naive.py): ooc_gptq once per candidate
+        def run_candidates(self, w, h_inv, g, clear_mask):
+            parts = [ooc_gptq(w[None], h_inv, self.low_bits, self.high_bits, g, self.sym, clear_mask[m : m + 1],
+                              self.block_size) for m in range(clear_mask.shape[0])]
+            return tuple(torch.cat(items) for items in zip(*parts))
+
     weight, stats = problem(24, 300, seed=4, dtype=dtype)
-    results = [OOC(low_bits=2, high_bits=3, scan=1.0, group_size=64, per_row=per_row, impl=impl, block_size=48)
-               .quantize(weight, stats) for impl in ("naive", "batch")]
-    (a, info_a), (b, info_b) = results
+    settings = {"low_bits": 2, "high_bits": 3, "scan": 1.0, "group_size": 64, "per_row": per_row, "block_size": 48}
+    (a, info_a), (b, info_b) = [cls(**settings).quantize(weight, stats) for cls in (OneAtATime, OOC)]
     assert a.format_name == b.format_name == "ooc"
     for key, tensor in a.state_dict().items():
         assert torch.equal(b.state_dict()[key], tensor), key
@@ -142,7 +148,7 @@ def test_format_round_trip_and_bits(high, per_row, sym):
 def test_artifact_bits_match_eq4(tmp_path, high, per_row):
     from quantkit.runtime import load_quantized
 
-    model = tiny_llama()
+    model = tiny_causal_lm(intermediate=128, seed=0)
     method = make_method("ooc", low_bits=2, high_bits=high, scan=1.0, per_row=per_row)
     reference = copy.deepcopy(model)
     out, qtensors, entries = quantize_to_artifact(reference, method, tmp_path / "art")
@@ -177,7 +183,7 @@ def test_h3_beats_h2_on_probe_loss():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"low_bits": 1}, "--low-bits"), ({"high_bits": 9}, "--high-bits"), ({"low_bits": 3, "high_bits": 2}, "at least"),
-    ({"clear_fraction": 0.0}, "--clear-fraction"), ({"scan": 1.5}, "--scan"), ({"impl": "fast"}, "--impl"),
+    ({"clear_fraction": 0.0}, "--clear-fraction"), ({"scan": 1.5}, "--scan"), ({"impl": "naive"}, "does not take impl"),
     ({"per_row": "yes"}, "per_row"), ({"bits": 2}, "does not take"),
 ])
 def test_validation(kwargs, match):
@@ -216,12 +222,12 @@ def test_cli_quantize_ooc_and_bitfamily(tmp_path, tiny_llama_dir, data_dir):
 
     out = tmp_path / "ooc"
     args = ["quantize", "--model", tiny_llama_dir, "--method", "ooc", "--low-bits", 2, "--high-bits", 3,
-            "--clear-fraction", 0.1, "--scan", 1.0, "--per-row", "--impl", "naive", "--out", out, "--nsamples", 2,
+            "--clear-fraction", 0.1, "--scan", 1.0, "--per-row", "--out", out, "--nsamples", 2,
             "--seqlen", 32, "--data-dir", data_dir]
     result = CliRunner().invoke(main, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     qcfg = read_config(out)["quantization_config"]
-    assert qcfg["method"] == "ooc" and qcfg["high_bits"] == 3 and qcfg["per_row"] and qcfg["impl"] == "naive"
+    assert qcfg["method"] == "ooc" and qcfg["high_bits"] == 3 and qcfg["per_row"] and qcfg["impl"] == "batch"
     result = CliRunner().invoke(main, ["bitfamily", str(out), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -229,6 +235,6 @@ def test_cli_quantize_ooc_and_bitfamily(tmp_path, tiny_llama_dir, data_dir):
     assert any(r["format"] == "ooc" for r in rows)
     for r in rows:
         assert r["bits_per_weight"] == pytest.approx(r["formula"], abs=1e-12), r
-    bad = CliRunner().invoke(main, [str(a) for a in ["quantize", "--model", tiny_llama_dir, "--method", "gptq", "--scan",
-                                                    0.2, "--out", tmp_path / "x"]])
+    bad_args = ["quantize", "--model", tiny_llama_dir, "--method", "gptq", "--scan", 0.2, "--out", tmp_path / "x"]
+    bad = CliRunner().invoke(main, [str(a) for a in bad_args])
     assert bad.exit_code == 2 and "--scan does not apply" in bad.output

@@ -1,3 +1,5 @@
+"""Bit packing of integer codes: exact round trips at every width and the stated layout."""
+
 import pytest
 import torch
 

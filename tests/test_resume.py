@@ -4,11 +4,12 @@ artifact, byte for byte, as a run that was never interrupted."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import kill_after_layer
+from factories import save_tiny, tiny_causal_lm
 from quantkit.engine import checkpoint as ckpt
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import quantize_checkpoint
@@ -31,16 +32,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def llama4_dir(tmp_path_factory, tiny_tokenizer):
     """A 4-layer tiny llama, so that kills can land before, between and after layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("llama4")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+    model = tiny_causal_lm("llama", vocab=len(tiny_tokenizer), layers=LAYERS, max_positions=256,
+                           tie_word_embeddings=True, seed=3)
+    return save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp("llama4"))
 
 
 SETTINGS = {
@@ -56,7 +50,10 @@ def _cli_args(model_dir, out, key, small_data):
             "--seqlen", "32", "--calib", "ptb", "--device", "cpu", "--data-dir", str(small_data)]
     for name, value in params.items():
         flag = name.replace("_", "-")
-        args += [f"--{flag}" if value is True else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+        if isinstance(value, bool):
+            args += [f"--{flag}" if value else f"--no-{flag}"]
+        else:
+            args += [f"--{flag}", str(value)]
     return args
 
 
@@ -67,10 +64,11 @@ def _quantize(model_dir, out, key, small_data, **kwargs):
 
 
 def _killed_run(model_dir, out, key, small_data, layer, phase="committed", resume=False):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ckpt.KILL_ENV: str(layer), ckpt.KILL_PHASE_ENV: phase})
-    args = [sys.executable, "-m", "quantkit", *_cli_args(model_dir, out, key, small_data)] + (["--resume"] if resume else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*kill_after_layer.command(layer, phase), *_cli_args(model_dir, out, key, small_data)]
+    args += ["--resume"] if resume else []
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == ckpt.KILLED_EXIT, result.stderr[-2000:]
+    assert result.returncode == kill_after_layer.KILLED_EXIT, result.stderr[-2000:]
     assert not out.exists()
     return json.loads((ckpt.checkpoint_dir(out) / ckpt.STATE).read_text())
 

@@ -1,3 +1,5 @@
+"""Round-to-nearest quantization: codes, scales and zeros against a direct computation."""
+
 import pytest
 import torch
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantkit
+from factories import save_tiny, tiny_causal_lm
 from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import load_for_eval, quantize_checkpoint
@@ -35,16 +36,9 @@ def lively_llama_dir(tmp_path_factory, tiny_tokenizer):
     """A tiny llama whose greedy continuations vary from token to token: with the default init
     (std 0.02) a random 2-layer model repeats one token forever, which would make token equality
     say little; std 0.3 gives ~20 distinct tokens in 24."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, rope_theta=100000.0, initializer_range=0.3)
-    path = tmp_path_factory.mktemp("lively-llama")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+    model = tiny_causal_lm("llama", vocab=len(tiny_tokenizer), max_positions=256, tie_word_embeddings=True,
+                           rope_theta=100000.0, initializer_range=0.3, seed=0)
+    return save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp("lively-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +59,7 @@ def artifact(lively_llama_dir, tmp_path_factory, data_dir):
 
 
 def _prompt_ids(tokenizer):
-    """PROMPTS left-padded with id 0 (the session tokenizer has no pad token and is shared: not mutated)."""
+    """PROMPTS left-padded with id 0 (the shared tiny tokenizer has no pad token and must not be mutated)."""
     rows = [tokenizer(p)["input_ids"] for p in PROMPTS]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -228,15 +222,14 @@ def test_decode_step_reads_nothing_back_to_host(artifact, tiny_tokenizer):
     assert spy.seen == []
 
 
-@pytest.mark.parametrize("case", ["kernel-writes", "separate-write", "attention-drops-the-step"])
+@pytest.mark.parametrize("case", ["kernel-writes", "attention-drops-the-step"])
 def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monkeypatch, case):
     # The decoder's split-attention path, forced on the CPU (on CUDA with Triton it is the default):
     # each layer's new key and value wait on the step until its attention call takes them. Here the
     # registered attention function cannot use the kernel (CPU), so it writes them and runs SDPA: the
     # tokens equal transformers' greedy decode, which also shows that the step reaches every layer
-    # through the model's forward kwargs. "split-separate-write" writes them before the attention call
-    # instead. With an attention that drops the step, the decoder must notice the untaken keys, go back
-    # to SDPA and redo the step: the same tokens again.
+    # through the model's forward kwargs. With an attention that drops the step, the decoder must notice
+    # the untaken keys, go back to SDPA and redo the step: the same tokens again.
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -246,7 +239,7 @@ def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monke
     ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
     want, _ = _greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
-    decoder.split_attention, decoder._kernel_writes_cache = True, case != "separate-write"
+    decoder.split_attention = True
     decoder._attention_step = decode_attention.DecodeStep(
         decoder.pos, decode_attention.counters(1, model.config.num_attention_heads, "cpu"))
     if case != "attention-drops-the-step":

@@ -23,15 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+import quantkit
+from factories import tiny_causal_lm
+from machine import require
+from quantkit.kernels.dispatch import kernel_forward
+from quantkit.runtime import QuantLinear
+from quantkit.runtime.generate import StaticGreedyDecoder, generate_static
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-
-import quantkit  # noqa: E402
-from quantkit.kernels.dispatch import kernel_forward  # noqa: E402
-from quantkit.runtime import QuantLinear  # noqa: E402
-from quantkit.runtime.generate import StaticGreedyDecoder, generate_static  # noqa: E402
+pytestmark = pytest.mark.requires("cuda")
 
 KERNEL_NOISE_FACTOR = 4  # kernel error vs fp32 / the fp16 reference's error vs fp32
 FP16_NOISE_MAX = 5e-2  # above this the fp16 noise floor itself is suspect and excuses nothing
@@ -39,6 +38,7 @@ MIN_TOKEN_AGREEMENT = 0.9
 NEAR_TIE = 1e-2  # logit gap, relative to the largest logit, that fp16 rounding may flip
 STEPS = 48
 PROMPT = 16
+FORMAT_EXTENSIONS = {"uniform": "lutgemm", "bcq": "lutgemm", "anyprec": "anyprec"}  # kernels/dispatch.py
 
 # name -> (method, settings, stored format option); kernel-friendly shapes: g = 128 divides every row
 SPECS = {
@@ -52,14 +52,9 @@ SPECS = {
 
 
 def _float_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
     # std 0.15 (not the default 0.02) so greedy continuations vary instead of repeating one token
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.15, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval()
+    return tiny_causal_lm("llama", vocab=512, hidden=256, intermediate=768, max_positions=256, initializer_range=0.15,
+                          attn_implementation="sdpa", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +103,13 @@ def _use_kernels(model, on):
 
 def _require_kernel(model, tokens=1):
     """Skip unless a kernel serves every QuantLinear for `tokens` input rows (else both paths would be
-    the reference and the comparison would prove nothing)."""
+    the reference and the comparison would prove nothing): first the extension its format needs, named."""
     for module in _qlinears(model):
+        if module.meta["format"] in FORMAT_EXTENSIONS:
+            require(FORMAT_EXTENSIONS[module.meta["format"]])
         x = torch.randn(1, tokens, module.in_features, device="cuda", dtype=torch.float16)
         if kernel_forward(module, x) is None:
-            pytest.skip(f"no CUDA kernel serves format {module.meta['format']} at {tokens} token(s) "
-                        "(kernel module missing or build failed)")
+            pytest.skip(f"no CUDA kernel serves format {module.meta['format']} at {tokens} token(s)")
 
 
 def _prompts(vocab, batch=2):
@@ -212,18 +208,18 @@ def test_graph_captured_decode_equals_eager(name, bits, artifact):
     _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
 
 
-@pytest.mark.parametrize("other", ["split-separate-write", "sdpa"])
-def test_split_attention_decodes_like_sdpa(other, artifact, monkeypatch):
+@pytest.mark.requires("triton")
+def test_split_attention_decodes_like_sdpa(artifact, monkeypatch):
     # the decoder's default on CUDA: split-cache attention whose kernel also writes the step's key and
-    # value; in captured graphs, against the compiled cache write + the same kernel, and against SDPA
+    # value, in captured graphs, against SDPA
+    other = "sdpa"
     from quantkit.runtime import decode_attention
 
     model = quantkit.load(artifact("rtn-bcq"), device="cuda")
     _require_kernel(model, tokens=1)
     prompt = _prompts(model.config.vocab_size, batch=1)
     split = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    if not split.split_attention:
-        pytest.skip("Triton is not installed")
+    assert split.split_attention  # an sdpa model on CUDA, with Triton
     launches = []  # every layer of the captured step must launch the kernel, taking its key and value
     kernel = decode_attention.decode
     monkeypatch.setattr(decode_attention, "decode",
@@ -233,7 +229,7 @@ def test_split_attention_decodes_like_sdpa(other, artifact, monkeypatch):
     assert split.split_attention and launches[-layers:] == [True] * layers
     monkeypatch.setattr(decode_attention, "decode", kernel)
     reference = StaticGreedyDecoder(model, max_len=PROMPT + STEPS, attention=other)
-    assert reference.split_attention == (other != "sdpa")
+    assert not reference.split_attention
     reference.capture()
     _assert_same_until_near_tie(model, prompt, reference.generate(prompt, STEPS), split.generate(prompt, STEPS),
                                 f"split vs {other}")
@@ -301,11 +297,14 @@ def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
     # the stacked q/k/v (finished by the attention kernel) and gate/up and down when stacked
     served = {module.out_features for module, sums in accumulated if sums is not None}
     config = model.config
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * (config.hidden_size // config.num_attention_heads)
-    want = {config.hidden_size} | ({2 * config.intermediate_size, qkv} if stack else set())  # o_proj, down | gate/up, q/k/v
+    head_dim = config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    # o_proj, down | gate/up, q/k/v
+    want = {config.hidden_size} | ({2 * config.intermediate_size, qkv} if stack else set())
     assert served == (set() if name == "anyprec" else want), served
 
 
+@pytest.mark.requires("sm90")
 @pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
 def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact, monkeypatch):
     """The fused decode step captured with overlap (kernels/overlap.py: the matvec and Triton kernels
@@ -319,11 +318,11 @@ def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact, monkey
     settled, triton_launch = overlap.settled, overlap.triton_launch
     monkeypatch.setattr(overlap, "settled", lambda *a: launches.append(("matvec", settled(*a))) or launches[-1][1])
     monkeypatch.setattr(overlap, "triton_launch",
-                        lambda device: launches.append(("triton", triton_launch(device)["GDC"])) or triton_launch(device))
+                        lambda device: (launches.append(("triton", triton_launch(device)["GDC"]))
+                                        or triton_launch(device)))
     model = quantkit.load(artifact(name), device="cuda", bits=bits)
     _require_kernel(model, tokens=1)
-    if not overlap.for_device("cuda"):
-        pytest.skip("overlap needs compute capability 9.0+")
+    assert overlap.for_device("cuda")
     prompt = _prompts(model.config.vocab_size, batch=1)
     decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
     fuse_pointwise(model)

@@ -59,7 +59,8 @@ def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None
             encoded[k] = _encode(tokenizer, doc)
             long_enough += encoded[k].numel() > seqlen
         if long_enough == 0:
-            raise QuantkitError(f"calibration data too short: no C4 train document ({source}) has more than {seqlen} tokens")
+            raise QuantkitError(f"calibration data too short: no C4 train document ({source}) "
+                                f"has more than {seqlen} tokens")
         windows, picked = [], set()
         for _ in range(nsamples):
             while True:  # same random stream as the reference: draw documents until one is long enough
@@ -69,12 +70,14 @@ def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None
             start = rng.randint(0, encoded[k].numel() - seqlen - 1)
             windows.append(encoded[k][start : start + seqlen])
             picked.add(k)
-        protocol = {"documents": len(docs), "documents_long_enough": long_enough, "distinct_documents_used": len(picked)}
+        protocol = {"documents": len(docs), "documents_long_enough": long_enough,
+                    "distinct_documents_used": len(picked)}
     elif name in ("ptb", "wikitext2"):
         docs, source = load_documents(name, "train", data_dir)
         ids = _encode(tokenizer, (" " if name == "ptb" else "\n\n").join(docs))
         if ids.numel() <= seqlen + 1:
-            raise QuantkitError(f"calibration data too short: {name} train has {ids.numel()} tokens, need > {seqlen + 1}")
+            raise QuantkitError(f"calibration data too short: {name} train has {ids.numel()} tokens, "
+                                f"need > {seqlen + 1}")
         windows = []
         for _ in range(nsamples):
             start = rng.randint(0, ids.numel() - seqlen - 1)

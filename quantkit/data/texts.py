@@ -60,7 +60,8 @@ def load_documents(name, split, data_dir=None):
     if root is not None and rel is not None and (root / rel).is_file():
         return _read_local(name, split, root / rel), f"local:{rel}"
     if (name, split) == ("wikitext2", "train") and root is not None:
-        hint = "WikiText-2 train is not available offline (the shared data has only the test split); use --calib c4 or ptb"
+        hint = ("WikiText-2 train is not available offline (the shared data has only the test split); "
+                "use --calib c4 or ptb")
     else:
         hint = f"set --data-dir/QUANTKIT_DATA to a directory with {rel or name + ' ' + split}"
     try:

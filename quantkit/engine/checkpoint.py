@@ -18,10 +18,6 @@ Disk cost: the quantized layers (the size of the final artifact's tensors, once)
 two sets of next-layer activations: nsamples × seqlen × hidden × dtype bytes each (Llama-2-7B,
 128 × 2048 × 4096 fp16 = 2 GiB), i.e. about 2 GiB written per layer. `--no-checkpoint` turns it off.
 Files are renamed, not fsync'ed: this protects against the process being killed, not a power loss.
-
-Test hook: QUANTKIT_TEST_KILL_AFTER_LAYER=k makes the process exit (os._exit, code KILLED_EXIT) right
-after layer k is committed, or, with QUANTKIT_TEST_KILL_PHASE=uncommitted, after its files are written
-but before state.json is replaced.
 """
 
 import json
@@ -39,9 +35,6 @@ from quantkit.errors import CheckpointError, StorageError
 STATE = "state.json"
 FORMAT = "quantkit-checkpoint"
 VERSION = 1
-KILL_ENV = "QUANTKIT_TEST_KILL_AFTER_LAYER"
-KILL_PHASE_ENV = "QUANTKIT_TEST_KILL_PHASE"
-KILLED_EXIT = 86
 
 
 def checkpoint_dir(out) -> Path:
@@ -55,13 +48,6 @@ def _layer_file(index):
 
 def _inputs_file(layer, start):
     return f"inputs-{layer:05d}-{start:07d}.safetensors"
-
-
-def _kill_point(layer, phase):
-    """The test hook (module docstring)."""
-    target = os.environ.get(KILL_ENV)
-    if target is not None and int(target) == layer and os.environ.get(KILL_PHASE_ENV, "committed") == phase:
-        os._exit(KILLED_EXIT)
 
 
 class LayerCheckpoint:
@@ -102,7 +88,8 @@ class LayerCheckpoint:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise StorageError(f"could not create the checkpoint directory {self.dir}: {exc.strerror or exc}") from exc
+                raise StorageError(f"could not create the checkpoint directory {self.dir}: "
+                                   f"{exc.strerror or exc}") from exc
             return state
 
         self.state = self.ranks.run_on_main(on_main)
@@ -119,9 +106,11 @@ class LayerCheckpoint:
         try:
             state = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable checkpoint state ({exc}); remove {self.dir} or pass --overwrite") from exc
+            raise CheckpointError(f"{path}: unreadable checkpoint state ({exc}); "
+                                  f"remove {self.dir} or pass --overwrite") from exc
         if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
-            raise CheckpointError(f"{path} is not a quantkit checkpoint of version {VERSION}; remove {self.dir} or pass --overwrite")
+            raise CheckpointError(f"{path} is not a quantkit checkpoint of version {VERSION}; "
+                                  f"remove {self.dir} or pass --overwrite")
         return state
 
     def _check_fingerprint(self, state):
@@ -129,8 +118,8 @@ class LayerCheckpoint:
         differ = sorted(k for k in set(old) | set(self.fingerprint) if old.get(k) != self.fingerprint.get(k))
         if differ:
             shown = "; ".join(f"{k}: {old.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differ[:3])
-            raise CheckpointError(f"cannot resume from {self.dir}: it was made with other settings ({shown}); rerun with "
-                                "the same settings, or pass --overwrite instead of --resume to start over")
+            raise CheckpointError(f"cannot resume from {self.dir}: it was made with other settings ({shown}); "
+                                  "rerun with the same settings, or pass --overwrite instead of --resume to start over")
 
     def _remove_unreferenced(self, state):
         """Files of a layer that was written but never committed (the run died before state.json)."""
@@ -178,11 +167,12 @@ class LayerCheckpoint:
                 with safe_open(str(path), framework="pt") as fh:
                     pieces.append(fh.get_slice("inputs")[lo - item["start"] : hi - item["start"]])
             except Exception as exc:  # missing or damaged: the state is unusable
-                raise CheckpointError(f"{path}: unreadable checkpoint activations ({exc}); pass --overwrite to start over") from exc
+                raise CheckpointError(f"{path}: unreadable checkpoint activations ({exc}); "
+                                      "pass --overwrite to start over") from exc
         got = sum(p.shape[0] for p in pieces)
         if got != stop - start:
-            raise CheckpointError(f"{self.dir}: checkpoint holds {got} of the {stop - start} activation windows needed; "
-                                "pass --overwrite to start over")
+            raise CheckpointError(f"{self.dir}: checkpoint holds {got} of the {stop - start} activation windows "
+                                  "needed; pass --overwrite to start over")
         return torch.cat(pieces)
 
     # --- commit -----------------------------------------------------------------------------
@@ -205,7 +195,6 @@ class LayerCheckpoint:
             else:
                 reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise StorageError(f"could not write the checkpoint of layer {index} to {self.dir}: {reason}") from error
-        _kill_point(index, "uncommitted")
         previous = list(self.state["inputs"]) if self.state else []
 
         def on_main():
@@ -233,7 +222,6 @@ class LayerCheckpoint:
             for item in previous:
                 if item["file"] not in current:
                     (self.dir / item["file"]).unlink(missing_ok=True)
-        _kill_point(index, "committed")
 
     def _write_layer(self, index, layer_qtensors, layer_entries):
         tensors, modules = {}, {}

@@ -197,7 +197,8 @@ def init_from_env(device: str) -> Ranks:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if str(device).startswith("cuda"):
         if local_rank >= torch.cuda.device_count():
-            raise QuantkitError(f"rank {rank} needs cuda:{local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+            raise QuantkitError(f"rank {rank} needs cuda:{local_rank} but only {torch.cuda.device_count()} "
+                                "GPUs are visible")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
         backend = "nccl"

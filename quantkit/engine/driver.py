@@ -62,7 +62,7 @@ def _move_outside(module, skip, device):
     """Move every parameter and buffer of `module` except those under `skip` to `device`."""
     if module is skip:
         return
-    for name, param in module.named_parameters(recurse=False):
+    for param in module.parameters(recurse=False):
         param.data = param.data.to(device)
     for name, buf in module.named_buffers(recurse=False):
         module._buffers[name] = buf.to(device)
@@ -234,7 +234,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
             for name in group:
                 full = f"{prefix}.{index}.{name}"
                 extra = (module_stats or {}).get(full)
-                jobs.append((index * per_layer + position, full, linears[name], stats if extra is None else {**stats, **extra}))
+                jobs.append((index * per_layer + position, full, linears[name],
+                             stats if extra is None else {**stats, **extra}))
                 position += 1
             for (_, full, _, _), (qtensor, entry) in zip(jobs, _quantize_together(ranks, jobs, method, device)):
                 layer_q[full] = qtensor

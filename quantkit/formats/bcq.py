@@ -76,7 +76,8 @@ class BCQQuantizedTensor(QuantizedTensor):
         """signs bool [q, k, d] (True = +1); alpha [k, G, q]; offset [k, G] or None (any float dtype)."""
         q, k, d = signs.shape
         if alpha.shape != (k, num_groups(d, group_size), q):
-            raise ValueError(f"alpha shape {tuple(alpha.shape)} does not match {q} planes of [{k}, {d}], g={group_size}")
+            raise ValueError(f"alpha shape {tuple(alpha.shape)} does not match {q} planes of [{k}, {d}], "
+                             f"g={group_size}")
         return cls(
             qweight=pack_planes(signs),
             alpha=alpha.permute(1, 2, 0).to(torch.float16).contiguous(),

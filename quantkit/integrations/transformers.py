@@ -48,9 +48,12 @@ def _stored_specs(checkpoint_files, modules) -> dict:
 def register() -> bool:
     """Register with transformers' quantizer registry; False where this transformers has none."""
     try:
+        from transformers.quantizers.auto import (
+            AUTO_QUANTIZATION_CONFIG_MAPPING,
+            register_quantization_config,
+            register_quantizer,
+        )
         from transformers.quantizers.base import HfQuantizer  # the package itself may still be importing
-        from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, register_quantization_config,
-                                                  register_quantizer)
         from transformers.utils.quantization_config import QuantizationConfigMixin
     except ImportError:
         return False

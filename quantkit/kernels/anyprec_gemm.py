@@ -1,5 +1,5 @@
-"""Any-precision QuantLinear on CUDA: the bitplane matvec kernel (csrc/anyprec.cu) for small
-batches, dequantize + cuBLAS for large ones, any stored bit-width from the same buffers.
+"""Any-precision QuantLinear on CUDA: the bitplane matvec kernel for small batches, dequantize + cuBLAS
+for large ones, any stored bit-width from the same buffers (kernels/anyprec*.cu / .cuh).
 
 `forward(module, x)` is registered for format "anyprec" (quantkit.kernels.dispatch). It serves
 `module.bits` (None = the parent width) as read at each call, so `QuantLinear.set_bits(k)`
@@ -26,16 +26,16 @@ import torch.nn.functional as F
 from quantkit.kernels import build, overlap
 from quantkit.kernels.dispatch import register
 
-FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in anyprec.cu
+FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in kernels/anyprec_bits.cuh
 ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
 MAX_BATCH = 8  # rows of x per matvec launch
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
 # dequantize + cuBLAS takes over: "cached" when QuantLinear already holds the dequantized weight
 # for this (device, dtype, bits) (then only cuBLAS runs), "uncached" when it would have to be made.
-# Measured (bench_anyprec_kernel.py switch-point table, 4-bit, H100, 2026-11-24, ring kernel): the
-# kernel still wins up to 8 rows against a cached fp16 weight and up to 24 rows (11008x4096 and
-# 28672x8192) against dequantize + cuBLAS; the smaller of each shape pair is kept.
+# Chosen by bench_anyprec_kernel.py's switch-point table (4-bit, H100): the kernel wins up to 8 rows
+# against a cached fp16 weight and up to 24 rows (11008x4096 and 28672x8192) against dequantize +
+# cuBLAS; the smaller of each shape pair is kept.
 MATVEC_MAX_ROWS = {"cached": 8, "uncached": 24}
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,7 +50,7 @@ def kernel_layout(planes: torch.Tensor) -> torch.Tensor:
     """The planes as the kernel's LAYOUT flag reads them: int32 [n, M, ceil(W/4)*4].
 
     Bit s of plane p's word w holds natural bit pi((s - p) mod 32) of the same word (pi as in
-    anyprec.cu: pairs of adjacent columns share an fp16x2 register, a k-tile's 4 columns are
+    kernels/anyprec_bits.cuh: pairs of adjacent columns share an fp16x2 register, a k-tile's 4 columns are
     contiguous in x; the rotation by p lets the kernel merge planes without shifts). Words are
     padded with zeros to a multiple of 4 for 16-byte loads. The same copy serves every width.
     """

@@ -1,17 +1,22 @@
-"""Build-on-first-use for the CUDA sources in kernels/csrc, cached across processes.
+"""Build-on-first-use of the CUDA/C++ extensions from the kernel sources, cached across processes.
 
-`load("lutgemm")` compiles csrc/lutgemm.cu (and csrc/lutgemm.cpp when present) with
-torch.utils.cpp_extension.load into ~/.cache/quantkit/kernels/<name>-<source hash>/ (override
-with QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an unchanged one
-compiles once per machine. The hash covers the GPU architectures built for (TORCH_CUDA_ARCH_LIST,
-else the visible GPUs'), so a cache shared with another GPU model does not hand back a build
-without this GPU's code (the kernels' sm_90 paths, kernels/overlap.py). It returns None, with one warning saying why, when CUDA is absent,
-QUANTKIT_NO_KERNELS=1 is set, or the build fails: the caller then uses its PyTorch path.
+The sources live in the repository's top-level kernels/ directory; a built wheel carries a copy of it as
+quantkit/kernels/_sources/ (setup.py's build_py puts it there). `CSRC` is whichever of the two this
+install has: the packaged copy when present, else the checkout's kernels/ (editable and development
+installs).
 
-`load_cpu("anyprec_cpu")` does the same for a CPU-only C++ source csrc/<name>.cpp (OpenMP, no CUDA
-needed), cached under <name>-cpu-<hash>. It is built with plain -O3 (no -march=native, so a build
-cached on one CPU still runs on another) and returns None, warned once, on failure or with
-QUANTKIT_NO_KERNELS=1.
+`load("lutgemm")` compiles the translation units SOURCES["lutgemm"] (lutgemm.cu + lutgemm.cpp) with
+torch.utils.cpp_extension.load into ~/.cache/quantkit/kernels/<name>-<source hash>/ (override with
+QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an unchanged one compiles once
+per machine. The hash covers those units, every header in CSRC (*.h, *.cuh), the flags and the GPU
+architectures built for (TORCH_CUDA_ARCH_LIST, else the visible GPUs'), so a cache shared with another GPU
+model does not hand back a build without this GPU's code (the kernels' sm_90 paths, kernels/overlap.py).
+It returns None, with one warning saying why, when CUDA is absent, QUANTKIT_NO_KERNELS=1 is set, or the
+build fails: the caller then uses its PyTorch path.
+
+`load_cpu("anyprec_cpu")` does the same for a CPU-only extension (CPU_SOURCES; OpenMP, no CUDA needed),
+cached under <name>-cpu-<hash>. It is built with plain -O3 (no -march=native, so a build cached on one CPU
+still runs on another) and returns None, warned once, on failure or with QUANTKIT_NO_KERNELS=1.
 """
 
 import hashlib
@@ -21,7 +26,20 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).parent / "csrc"
+PACKAGED_SOURCES = Path(__file__).parent / "_sources"  # in a built wheel (setup.py)
+CHECKOUT_SOURCES = Path(__file__).resolve().parents[2] / "kernels"  # the repository's kernels/
+CSRC = PACKAGED_SOURCES if PACKAGED_SOURCES.is_dir() else CHECKOUT_SOURCES
+
+# Translation units of each extension, in CSRC; the headers they include are found next to them. A name
+# not listed here builds <name>.cu and <name>.cpp where they exist.
+SOURCES = {
+    "lutgemm": ("lutgemm.cu", "lutgemm.cpp"),
+    "anyprec": ("anyprec.cu", "anyprec.cpp"),
+    "gptq": ("gptq.cu", "gptq.cpp"),
+}
+CPU_SOURCES = {"anyprec_cpu": ("anyprec_cpu.cpp",)}
+HEADER_SUFFIXES = (".h", ".cuh")
+
 _loaded = {}
 _failures = {}
 
@@ -32,8 +50,14 @@ def cache_root() -> Path:
 
 
 def sources_for(name):
-    files = [CSRC / f"{name}.cu", CSRC / f"{name}.cpp"]
+    """The existing translation units of CUDA extension `name`, in CSRC."""
+    files = [CSRC / f for f in SOURCES.get(name, (f"{name}.cu", f"{name}.cpp"))]
     return [f for f in files if f.exists()]
+
+
+def headers():
+    """Every header in CSRC: part of every build's cache key."""
+    return sorted(f for f in CSRC.iterdir() if f.suffix in HEADER_SUFFIXES) if CSRC.is_dir() else []
 
 
 def unavailable_reason(name):
@@ -47,7 +71,8 @@ def unavailable_reason(name):
 
 
 CUDA_FLAGS = {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3", "-lineinfo"]}
-# extra nvcc flags for experiments (e.g. QUANTKIT_KERNEL_DEFINES="-DAP_MIN_BLOCKS=3"); part of the cache key
+# extra nvcc flags for experiments, e.g. QUANTKIT_KERNEL_DEFINES="-DAP_MIN_BLOCKS=3" to override a switch of
+# kernels/*_tuning.h (benchmarks/ab_defines.sh); part of the cache key
 EXTRA_CUDA_ENV = "QUANTKIT_KERNEL_DEFINES"
 # no FP traps are used: -fno-trapping-math lets the division loops vectorise
 CPU_FLAGS = {"extra_cflags": ["-O3", "-fno-trapping-math", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
@@ -62,11 +87,11 @@ def cuda_targets():
 
 
 def _compile(key, label, name, sources, flags, verbose, target=""):
-    """Build `sources` as module quantkit_<name> in a directory keyed by their bytes, the flags, the
-    target architectures and the torch version; None (warned, reason kept in _failures[key]) when the
-    compiler fails."""
+    """Build `sources` as module quantkit_<name> in a directory keyed by their bytes and the headers', the
+    flags, the target architectures and the torch version; None (warned, reason kept in _failures[key]) when
+    the compiler fails."""
     digest = hashlib.sha256()
-    for f in [*sources, *sorted(CSRC.glob("*.h"))]:  # shared headers (check.h) are part of every build
+    for f in [*sources, *headers()]:
         digest.update(f.read_bytes())
     digest.update(repr(sorted(flags.items())).encode() + target.encode() + torch.__version__.encode())
     build_dir = cache_root() / f"{key.replace(':', '-')}-{digest.hexdigest()[:16]}"
@@ -78,7 +103,7 @@ def _compile(key, label, name, sources, flags, verbose, target=""):
                                 build_directory=str(build_dir), verbose=verbose, **flags)
     except Exception as exc:  # a compiler error must not take the run down: fall back and say so
         _failures[key] = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-        warnings.warn(f"quantkit {label} {name!r} {_failures[key]}; using the PyTorch path")
+        warnings.warn(f"quantkit {label} {name!r} {_failures[key]}; using the PyTorch path", stacklevel=3)
         module = None
     _loaded[key] = module
     return module
@@ -92,7 +117,7 @@ def load(name, verbose=False):
     if reason is not None:
         _loaded[name] = None
         if torch.cuda.is_available() and os.environ.get("QUANTKIT_NO_KERNELS") != "1":
-            warnings.warn(f"quantkit kernel {name!r} unavailable ({reason}); using the PyTorch path")
+            warnings.warn(f"quantkit kernel {name!r} unavailable ({reason}); using the PyTorch path", stacklevel=2)
         return None
     flags = CUDA_FLAGS
     extra = os.environ.get(EXTRA_CUDA_ENV, "").split()
@@ -102,17 +127,20 @@ def load(name, verbose=False):
 
 
 def load_cpu(name, verbose=False):
-    """The compiled CPU extension csrc/<name>.cpp, or None (warned once) when it cannot be built."""
+    """The compiled CPU extension `name` (CPU_SOURCES, else <name>.cpp), or None (warned once) when it cannot
+    be built."""
     key = f"{name}:cpu"
     if key in _loaded:
         return _loaded[key]
-    source = CSRC / f"{name}.cpp"
     if os.environ.get("QUANTKIT_NO_KERNELS") == "1":
         _loaded[key] = None
         return None
-    if not source.exists():
-        _failures[key] = f"no source {source}"
-        warnings.warn(f"quantkit CPU extension {name!r} unavailable ({_failures[key]}); using the PyTorch path")
+    sources = [CSRC / f for f in CPU_SOURCES.get(name, (f"{name}.cpp",))]
+    missing = [f for f in sources if not f.exists()]
+    if missing:
+        _failures[key] = f"no source {missing[0]}"
+        warnings.warn(f"quantkit CPU extension {name!r} unavailable ({_failures[key]}); using the PyTorch path",
+                      stacklevel=2)
         _loaded[key] = None
         return None
-    return _compile(key, "CPU extension", name, [source], CPU_FLAGS, verbose)
+    return _compile(key, "CPU extension", name, sources, CPU_FLAGS, verbose)

@@ -1,4 +1,4 @@
-"""The fused GPTQ / k-OOC column loop on CUDA (csrc/gptq.cu) and the driver around it.
+"""The fused GPTQ / k-OOC column loop on CUDA (kernels/gptq.cu) and the driver around it.
 
 methods/gptq.py (gptq_quantize) and methods/ooc.py (ooc_gptq) call `gptq_columns` / `ooc_columns` when
 their tensors are on CUDA; None back (kernel not built, disabled, unsupported dtype or setting) means they
@@ -12,8 +12,6 @@ active row and leaves the tile's errors E in a buffer, then one GEMM applies the
     W[:, i2:] -= E @ U[i1:i2, i2:]        (addmm_, in place)
 which is gptq_quantize's blocked loop with the same blocks (when g divides the block size or the block size
 divides g) and the same arithmetic per op, so codes match the PyTorch loop up to floating-point ties.
-split_tf32 = True runs that GEMM as 3xTF32 on the tensor cores instead (lazy_update): faster on wide
-layers, but not exact enough to keep the codes equal (see split_tf32).
 
 Forking (OOC). A candidate is plain GPTQ(l) until its odd group starts: same weights, same updates. So the
 candidates of a chunk fork from one shared GPTQ(l) unit, the base: a candidate becomes active at the start
@@ -45,21 +43,13 @@ import torch
 from quantkit.formats import uniform
 from quantkit.kernels import build
 
-TILE = 128  # widest tile the kernel holds in registers (csrc/gptq.cu TILE)
+TILE = 128  # widest tile the kernel holds in registers (kernels/gptq.cu TILE)
 SAFETY_BYTES = 512 << 20
 SAFETY_FRACTION = 0.05
 THREADS_PER_ROW = (4, 8, 16, 32)
 TARGET_THREADS = 64 * 1024  # enough resident warps per SM (8+ on a 132-SM H100) to hide the per-column latency
 
 _enabled = True
-emulator = None  # tests: a PyTorch stand-in for the compiled module (same `tile` contract), to check this driver on CPU
-poison = False  # tests: fill every buffer with NaN / 255 before a run, so unwritten elements show
-tpr_override = None  # benchmarks: force threads per row (4, 8, 16 or 32)
-# fp32 lazy updates as 3xTF32 (lazy_update). Off by default: measured on the H100 (2026-11-24) it is 1.2-1.4x
-# faster where rows are long (d = 8192, 11008) and slower on small layers, and its ~2^-21 rounding flips ties
-# that GPTQ's error feedback carries on: 99.66-99.91 % of codes equal to the fp32 reference on the 7B/70B
-# shapes, below the 99.9 % the kernel is held to.
-split_tf32 = False
 launches = {"calls": 0, "tiles": 0}  # what ran through the kernel (tests and benchmarks read it)
 
 
@@ -76,21 +66,25 @@ def disabled():
 
 def _module(t):
     """The compiled module for work on tensor t, or None (then the caller uses its PyTorch loop)."""
-    if not _enabled:
-        return None
-    if emulator is not None:
-        return emulator
+    return _compiled(t) if _enabled else None
+
+
+def _compiled(t):
+    """The built extension, for CUDA tensors of a dtype it serves."""
     if not t.is_cuda or t.dtype not in (torch.float32, torch.float64):
         return None
     return build.load("gptq")
 
 
+def _empty(*size, dtype, device):
+    """Every buffer the kernel writes is allocated here (uninitialised, as torch.empty)."""
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
 def threads_per_row(rows):
     """Fewest threads per row that still give the chip ~TARGET_THREADS threads: fewer threads per row means
-    less redundant per-column quantization work; more means more rows' worth of latency hidden. 4 is left to
-    tpr_override: its 32 register slots cost it half the resident blocks (csrc/gptq.cu min_blocks)."""
-    if tpr_override is not None:
-        return tpr_override
+    less redundant per-column quantization work; more means more rows' worth of latency hidden. 4 is never
+    chosen: its 32 register slots cost it half the resident blocks (kernels/gptq.cu min_blocks)."""
     for tpr in THREADS_PER_ROW[1:-1]:
         if rows * tpr >= TARGET_THREADS:
             return tpr
@@ -124,15 +118,13 @@ def fork_pays(fractions):
 
 
 def unit_bytes(k, d, groups, itemsize):
-    """Device bytes one unit holds during a run (b in the module notes; + 5 tiles of split operands and
-    their temporaries with the 3xTF32 update)."""
-    split_tiles = 5 if split_tf32 and itemsize == 4 else 0
-    return k * d * (itemsize + 1) + k * itemsize * ((1 + split_tiles) * TILE + 2 * groups + 3)
+    """Device bytes one unit holds during a run (b in the module notes)."""
+    return k * d * (itemsize + 1) + k * itemsize * (TILE + 2 * groups + 3)
 
 
 def transient_bytes(k, d, itemsize):
-    """t in the module notes (+ U's two TF32 halves with the 3xTF32 update)."""
-    return 4 * k * d * itemsize + (2 * d * d * itemsize if split_tf32 and itemsize == 4 else 0)
+    """t in the module notes."""
+    return 4 * k * d * itemsize
 
 
 def candidate_chunk(k, d, groups, itemsize, budget):
@@ -150,24 +142,17 @@ def free_budget(device):
 
 
 class _Buffers:
-    """The kernel's per-row outputs for n·k rows (see TileArgs in csrc/gptq.cu)."""
+    """The kernel's per-row outputs for n·k rows (see TileArgs in kernels/gptq.cu)."""
 
     def __init__(self, rows, d, groups, dtype, device, scales=None, zeros=None):
         f = dict(dtype=dtype, device=device)
-        self.codes = torch.empty(rows, d, dtype=torch.uint8, device=device)
-        self.err = torch.empty(rows, TILE, **f)
-        self.scales = torch.empty(rows, groups, **f) if scales is None else scales
-        self.zeros = torch.empty(rows, groups, **f) if zeros is None else zeros
-        self.hscales = torch.empty(rows, **f)
-        self.hzeros = torch.empty(rows, **f)
-        self.loss = torch.empty(rows, **f)
-        if poison:
-            self.codes.fill_(255)
-            for t in (self.err, self.hscales, self.hzeros, self.loss):
-                t.fill_(float("nan"))
-            if scales is None:
-                self.scales.fill_(float("nan"))
-                self.zeros.fill_(float("nan"))
+        self.codes = _empty(rows, d, dtype=torch.uint8, device=device)
+        self.err = _empty(rows, TILE, **f)
+        self.scales = _empty(rows, groups, **f) if scales is None else scales
+        self.zeros = _empty(rows, groups, **f) if zeros is None else zeros
+        self.hscales = _empty(rows, **f)
+        self.hzeros = _empty(rows, **f)
+        self.loss = _empty(rows, **f)
 
 
 def _fork(buf, work, k, src, dst, i1, g):
@@ -189,7 +174,6 @@ def _walk(mod, work, u, buf, k, starts, stops, bits, g, sym, block_size, clear=N
     on the tiles in [starts[m], stops[m]); a unit starting after column 0 forks from unit 0 there. The
     active units of every tile must be consecutive (callers order them by start)."""
     n, d = len(starts), work.shape[1]
-    u_update = _SplitU(u, work.shape[0]) if uses_split(work) else u
     tiles = tile_plan(d, g if col_group is None else None, block_size, set(starts) | set(stops))
     for i1, i2 in tiles:
         for m in range(1, n):
@@ -207,57 +191,15 @@ def _walk(mod, work, u, buf, k, starts, stops, bits, g, sym, block_size, clear=N
                  threads_per_row(r1 - r0))
         launches["tiles"] += 1
         if i2 < d:  # the lazy update of everything after the tile: one GEMM (cuBLAS)
-            lazy_update(work[r0:r1, i2:], buf.err[r0:r1, : i2 - i1], u_update, i1, i2)
+            lazy_update(work[r0:r1, i2:], buf.err[r0:r1, : i2 - i1], u, i1, i2)
     for m in range(1, n):  # a unit that never became active (starts at d) is unit 0's result
         if starts[m] >= d:
             _fork(buf, work, k, 0, m, d, g)
 
 
-def _tf32_split(t):
-    """t = hi + lo with hi exactly representable in TF32 (10 explicit mantissa bits, rounded to nearest)."""
-    hi = (t.view(torch.int32) + 0x1000).bitwise_and_(-0x2000).view(torch.float32)
-    return hi, t - hi
-
-
-class _SplitU:
-    """U's TF32 halves for the 3xTF32 update, made once per walk, and the [rows, 3·TILE] operand buffer
-    the tiles reuse."""
-
-    def __init__(self, u, rows):
-        self.hi, self.lo = _tf32_split(u)
-        self.a = torch.empty(rows, 3 * TILE, dtype=u.dtype, device=u.device)
-
-
-def uses_split(t):
-    return split_tf32 and t.is_cuda and t.dtype == torch.float32
-
-
 def lazy_update(dst, err, u, i1, i2):
-    """dst -= err @ U[i1:i2, i2:] (dst = the columns after the tile).
-
-    fp32 on CUDA with split_tf32: one TF32 tensor-core GEMM of K = 3·(i2 − i1) on the split operands,
-    [e_hi, e_hi, e_lo] @ [u_hi; u_lo; u_hi] (the "3xTF32" scheme). It leaves out e_lo·u_lo and rounds
-    the lo halves to TF32, ~2⁻²¹ relative against fp32's 2⁻²⁴: close, but enough to flip some ties. The
-    update streams all of dst once per tile either way; the split makes its arithmetic cheaper than
-    that traffic. Anything else (fp64, CPU, split_tf32 off): the plain addmm_ of the reference loop.
-    """
-    if not isinstance(u, _SplitU):
-        dst.addmm_(err, u[i1:i2, i2:], alpha=-1)
-        return
-    rows, w = err.shape
-    a = u.a[:rows, : 3 * w].view(rows, 3, w)
-    e_hi, e_lo = _tf32_split(err)
-    a[:, 0] = e_hi
-    a[:, 1] = e_hi
-    a[:, 2] = e_lo
-    a = a.view(rows, 3 * w)
-    b = torch.cat([u.hi[i1:i2, i2:], u.lo[i1:i2, i2:], u.hi[i1:i2, i2:]], dim=0)
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        dst.addmm_(a, b, alpha=-1)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    """dst -= err @ U[i1:i2, i2:] (dst = the columns after the tile): the addmm_ of the reference loop."""
+    dst.addmm_(err, u[i1:i2, i2:], alpha=-1)
 
 
 def _supported(bits, *more_bits):
@@ -282,9 +224,6 @@ def gptq_columns(w, u, bits, g, sym, scales, zeros, codes, block_size=128, col_g
     u = u.contiguous()
     static = col_group is not None
     buf = _Buffers(k, d, scales.shape[1], w.dtype, w.device, scales, zeros)
-    if poison and not static:
-        scales.fill_(float("nan"))
-        zeros.fill_(float("nan"))
     groups_t = torch.as_tensor(col_group, dtype=torch.int32).to(w.device) if static else None
     _walk(mod, work, u, buf, k, [0], [d], bits, g, sym, block_size, col_group=groups_t,
           clip=bool(clip_search) and not static)
@@ -302,12 +241,8 @@ def ooc_columns(w, u, low_bits, high_bits, g, sym, clear_mask, block_size=128, b
     c, k, d = w.shape
     groups = uniform.num_groups(d, g)
     f = dict(dtype=w.dtype, device=w.device)
-    out = (torch.empty(c, k, d, dtype=torch.int64, device=w.device), torch.empty(c, k, groups, **f),
-           torch.empty(c, k, groups, **f), torch.empty(c, k, **f), torch.empty(c, k, **f), torch.empty(c, k, d, **f))
-    if poison:
-        out[0].fill_(-1)
-        for t in out[1:]:
-            t.fill_(float("nan"))
+    out = (_empty(c, k, d, dtype=torch.int64, device=w.device), _empty(c, k, groups, **f),
+           _empty(c, k, groups, **f), _empty(c, k, **f), _empty(c, k, **f), _empty(c, k, d, **f))
     for m, *results in stream:  # the outputs exist before the stream sizes its chunks from free memory
         for dst, src in zip(out, results):
             dst[m] = src
@@ -357,9 +292,7 @@ def _run_chunk(mod, w, u, take, starts, use_fork, low_bits, high_bits, g, sym, c
     groups = uniform.num_groups(d, g)
     first_cand = 1 if use_fork else 0
     n = len(take) + first_cand
-    work = torch.empty(n * k, d, dtype=dtype, device=device)
-    if poison:
-        work.fill_(float("nan"))
+    work = _empty(n * k, d, dtype=dtype, device=device)
     clear = torch.zeros(n, d, dtype=torch.uint8, device=device)
     clear[first_cand:] = clear_mask[take].to(torch.uint8)
     if use_fork:  # unit 0 = the GPTQ(l) base, up to the last fork; candidates in order of their odd group

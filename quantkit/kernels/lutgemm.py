@@ -2,12 +2,12 @@
 conversion (LUT-GEMM appendix C, formats.bcq.bcq_from_uniform).
 
 Two paths, chosen by the number of tokens (rows of x):
-  * tokens <= MATVEC_MAX_TOKENS: the LUT kernel (csrc/lutgemm.cu) reads the packed sign planes
-    directly: fp16 activations, fp32 accumulation, fp16 output (converted to x.dtype). It runs 8
-    tokens per launch; launches of MMA_MIN_BATCH..8 tokens go to the same file's tensor-core kernel
-    instead (sign bits turned into fp16 mma operands in registers, one AND per pair of weights,
-    mma.sync), where the groups allow it, because at 8 columns a LUT read moves 16 bytes of shared
-    memory per 8 weights.
+  * tokens <= MATVEC_MAX_TOKENS: the LUT kernel (kernels/lutgemm_lut_kernel.cuh) reads the packed sign
+    planes directly: fp16 activations, fp32 accumulation, fp16 output (converted to x.dtype). It runs 8
+    tokens per launch; launches of MMA_MIN_BATCH..8 tokens go to the tensor-core kernel instead
+    (kernels/lutgemm_mma_kernel.cuh: sign bits turned into fp16 mma operands in registers, one AND per
+    pair of weights, mma.sync), where the groups allow it, because at 8 columns a LUT read moves 16 bytes
+    of shared memory per 8 weights.
   * more tokens (prefill, perplexity): the dequantize kernel writes the dense weight in x.dtype
     (bit-identical to the reference dequantization) and cuBLAS does the GEMM; the weight goes into
     QuantLinear's own cache when module.cache_weight is true.
@@ -22,7 +22,7 @@ and it is what lands in the weight cache.
 
 The matvec kernels split a row tile's columns over several blocks and add their fp32 partial sums
 with atomics, in whatever order the blocks finish, so repeated calls can differ in the last bits of
-the fp16 output (BENCHMARKS.md, issue 10: 21-50 distinct outputs in 50 calls, at most 0.004 apart).
+the fp16 output (BENCHMARKS.md: 21-50 distinct outputs in 50 calls, at most 0.004 apart).
 Greedy decoding of a model whose logits nearly tie can therefore differ between runs. Under
 torch.use_deterministic_algorithms(True) every call takes the dequantize path instead, whose kernel
 writes each weight once (cuBLAS then needs CUBLAS_WORKSPACE_CONFIG, as torch says).
@@ -51,15 +51,15 @@ from quantkit.formats.uniform import num_groups
 from quantkit.kernels import build, overlap
 from quantkit.kernels.dispatch import register
 
-# Largest token count served by the LUT kernel, measured (benchmarks/bench_lutgemm.py "crossover",
-# H100, 2026-11-22): against a cached fp16 weight the LUT kernel loses from 12 tokens on 4096x4096,
-# 11008x4096 and 49152x12288 q3 g128 (against dequantize + cuBLAS only from 48-64), so 8 = one launch.
+# Largest token count served by the LUT kernel, chosen by benchmarks/bench_lutgemm.py "crossover" (H100):
+# against a cached fp16 weight the LUT kernel loses from 12 tokens on 4096x4096, 11008x4096 and
+# 49152x12288 q3 g128 (against dequantize + cuBLAS only from 48-64), so 8 = one launch.
 MATVEC_MAX_TOKENS = 8
 
 # Smallest launch (columns of x, at most 8) served by the tensor-core kernel instead of the LUT one,
-# when group_size % 128 == 0 or one group per row. Measured (bench_lutgemm.py "batch sweep", H100,
-# 2026-11-26, 49152x12288 q3 g128): the LUT kernel wins up to 4 columns (103-128 us), then its
-# padded 8-column tables cost 212-218 us against 150-157 us on tensor cores; 9 would turn it off.
+# when group_size % 128 == 0 or one group per row; chosen by bench_lutgemm.py "batch sweep" (H100,
+# 49152x12288 q3 g128): the LUT kernel wins up to 4 columns (103-128 us), then its padded 8-column
+# tables cost 212-218 us against 150-157 us on tensor cores. 9 would turn the tensor-core kernel off.
 MMA_MIN_BATCH = 5
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes

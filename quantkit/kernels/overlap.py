@@ -2,9 +2,9 @@
 
 A kernel launched with overlap may be scheduled while the kernel before it on the stream is still
 running. It waits for that kernel's completion before it reads or writes anything another kernel
-touches, but may read what no kernel writes before that: the matvec kernels (csrc/lutgemm.cu,
-csrc/anyprec.cu; csrc/grid_dependency.h) start copying their weights first, so the launch and the
-first weight loads hide under the previous kernel's tail. The runtime's Triton kernels (add + norm,
+touches, but may read what no kernel writes before that: the matvec kernels (kernels/lutgemm_*_kernel.cuh,
+kernels/anyprec_matvec_kernel.cuh; kernels/grid_dependency.cuh) start copying their weights first, so the
+launch and the first weight loads hide under the previous kernel's tail. The runtime's Triton kernels (add + norm,
 SiLU·mul, decode attention) wait first thing and only let the next kernel be scheduled early.
 In a decode step, where every kernel depends on the one before, that is part of each launch gap.
 

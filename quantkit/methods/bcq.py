@@ -1,5 +1,7 @@
-"""Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3): per group of g consecutive
-input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z) minimising ‖w − ŵ‖² (nuQmm eq. 1).
+"""Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3): w ≈ Σ α_i·b_i (+ z) per group.
+
+Per group of g consecutive input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z) minimising ‖w − ŵ‖²
+(nuQmm eq. 1).
 
 Solver (Xu et al., 2018): greedy initialisation (z = group mean if offset; then for i = 1..q:
 b_i = sign(r), α_i = mean|r|, r −= α_i·b_i), then alternating rounds:
@@ -18,7 +20,8 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats.bcq import BCQQuantizedTensor
 from quantkit.formats.uniform import num_groups
-from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+from quantkit.methods.base import Method, effective_group_size, register_method
+from quantkit.methods.configs import BCQConfig
 
 _STOP_REL = 1e-6  # a round that lowers the error by less than this fraction ends the solve
 _RIDGE = 1e-9  # relative ridge (fp64 solve): keeps the normal equations solvable when planes coincide
@@ -134,19 +137,9 @@ def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
                   error=final, norm=(weight.to(torch.float32) ** 2).sum().item())
 
 
-@register_method
+@register_method(BCQConfig)
 class BCQ(Method):
-    name = "bcq"
     output_format = "bcq"  # what quantize() returns; the pipeline refuses --format uniform for it
-    params = {"bits": 3, "group_size": 128, "offset": False, "rounds": 15}
-
-    def validate(self):
-        check_bits(self.bits, 1, 8)
-        check_group_size(self.group_size)
-        if not isinstance(self.offset, bool):
-            raise QuantkitError(f"--offset must be true or false, got {self.offset!r}")
-        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 0:
-            raise QuantkitError(f"--rounds must be a non-negative integer, got {self.rounds!r}")
 
     def quantize(self, weight, stats):
         fit = bcq_fit(weight, self.bits, self.group_size, self.offset, self.rounds)

@@ -28,7 +28,8 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
 from quantkit.kernels import gptq_cuda
-from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+from quantkit.methods.base import Method, effective_group_size, register_method
+from quantkit.methods.configs import GPTQConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     """Quantize weight [k, d] given U = upper Cholesky of H⁻¹ (already permuted when act_order).
 
     perm: processing order of the original columns (act_order), else None. Works in the dtype of
-    `weight` (fp32 from the engine; the tests use fp64). Returns (codes [k, d] in original column
+    `weight` (fp32 from the engine; fp64 works too). Returns (codes [k, d] in original column
     order, scales [k, G], zeros [k, G], g_idx or None, loss tensor = Σ (w-q)²/U_ii² / 2).
     """
     k, d = weight.shape
@@ -140,26 +141,9 @@ def _column_loop(w, h_inv, bits, g, sym, scales, zeros, codes, block_size, col_g
     return loss
 
 
-@register_method
+@register_method(GPTQConfig)
 class GPTQ(Method):
-    name = "gptq"
     stats = ("hessian",)
-    # act-order + static groups + clipping search by default: on SmolLM2 this is the setting that
-    # beats RTN at 4 bits and wins most at 3 (BENCHMARKS.md, GPTQ section); pass them off for the
-    # textbook algorithm
-    params = {"bits": 4, "group_size": 128, "sym": False, "damp": 0.01, "act_order": True,
-              "static_groups": True, "block_size": 128, "clip_search": True}
-
-    def validate(self):
-        check_bits(self.bits)
-        check_group_size(self.group_size)
-        if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp <= 1:
-            raise QuantkitError(f"--damp must be a number in (0, 1] (fraction of the mean Hessian diagonal), got {self.damp}")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise QuantkitError(f"--block-size must be a positive integer, got {self.block_size}")
-        for key in ("sym", "act_order", "static_groups", "clip_search"):
-            if not isinstance(getattr(self, key), bool):
-                raise QuantkitError(f"gptq setting {key} must be true or false, got {getattr(self, key)!r}")
 
     def quantize(self, weight, stats):
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)

@@ -1,6 +1,7 @@
-"""OOC, GPTQ(h, l, p, s): GPTQ at l bits where one "odd" group per matrix (or per output row) has
-its p·g most salient columns quantized at h bits under their own scale/zero (k-OOC paper,
-sections 3.2-3.3, algorithm 1).
+"""OOC, GPTQ(h, l, p, s): GPTQ at l bits with one odd group whose most salient columns get h bits.
+
+One "odd" group per matrix (or per output row) has its p·g most salient columns quantized at h bits
+under their own scale/zero (k-OOC paper, sections 3.2-3.3, algorithm 1).
 
 For a [k, d] weight with H = 2·XᵀX/n (prepare_hessian):
   1. salient score per column S(i) = H_ii·Σ_j W_ji²; group score = Σ over the group's columns;
@@ -23,25 +24,20 @@ For a [k, d] weight with H = 2·XᵀX/n (prepare_hessian):
      A row that keeps GPTQ(l) is stored exactly in the OOC layout: its "clear" columns keep their
      l-bit codes, re-based into the h-bit slot under the group's own scale (needs h ≥ l).
 
-impl="batch" (p-OOC-Batch, the paper's selection parallel): the candidate copies are stacked
-[c, k, d] and one column loop updates all of them with batched tensor ops. impl="naive"
-(p-OOC-Naive): the same routine once per candidate. Both give the same codes.
-
-Not built yet: the two-flow ensemble OOC(h,l,p,s). Its plan: quantize_model takes a list of
-flows (method, own layer inputs, own qtensors/log) and walks the layers once; at each layer every
-flow runs the layer with its own quantized weights for its statistics and its next inputs; the
-pipeline then scores each flow on held-out windows and keeps the better (reporting both).
+The candidates run as p-OOC-Batch (the paper's selection parallel): their copies are stacked [c, k, d]
+and one column loop updates all of them with batched tensor ops (on CUDA the fused kernel of
+kernels/gptq_cuda.py). The two-flow ensemble OOC(h,l,p,s) is quantkit/ensemble.py.
 """
 
 import math
 
 import torch
 
-from quantkit.errors import QuantkitError
 from quantkit.formats.ooc import OOCQuantizedTensor
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, uniform_params
 from quantkit.kernels import gptq_cuda
-from quantkit.methods.base import Method, check_group_size, effective_group_size, register_method
+from quantkit.methods.base import Method, effective_group_size, register_method
+from quantkit.methods.configs import OOCConfig
 from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
 
 
@@ -80,8 +76,8 @@ def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128):
     [c, k, G] of the low tier, hscales and hzeros [c, k] of the high tier, dequantized weight [c, k, d]).
     A candidate with an empty mask is exactly gptq_quantize's GPTQ(l) (act_order/static groups off).
     """
-    # issue 7 (k-OOC kernel): on CUDA the fused kernel runs the candidates, forking them from a shared
-    # GPTQ(l) run and chunking them by free memory (kernels/gptq_cuda.py); None = run the loop below
+    # on CUDA the fused kernel runs the candidates, forking them from a shared GPTQ(l) run and chunking
+    # them by free memory (kernels/gptq_cuda.py); None = run the loop below
     fused = gptq_cuda.ooc_columns(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size) if w.is_cuda else None
     if fused is not None:
         return fused
@@ -141,44 +137,14 @@ def row_losses(weight, dq, gram):
     return ((delta @ gram) * delta).sum(dim=-1)
 
 
-@register_method
+@register_method(OOCConfig)
 class OOC(Method):
-    name = "ooc"
     stats = ("hessian",)
-    params = {"low_bits": 2, "high_bits": 2, "clear_fraction": 0.1, "scan": 0.1, "group_size": 128, "sym": False,
-              "damp": 0.01, "per_row": False, "block_size": 128, "impl": "batch"}
-
-    def validate(self):
-        for key in ("low_bits", "high_bits"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= 8:
-                raise QuantkitError(f"--{key.replace('_', '-')} must be an integer in 2..8, got {value}")
-        if self.high_bits < self.low_bits:
-            raise QuantkitError(f"--high-bits ({self.high_bits}) must be at least --low-bits ({self.low_bits})")
-        check_group_size(self.group_size)
-        for key, low_open in (("clear_fraction", True), ("scan", False)):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                    (0 < value <= 1) if low_open else (0 <= value <= 1)):
-                interval = "(0, 1]" if low_open else "[0, 1]"
-                raise QuantkitError(f"--{key.replace('_', '-')} must be a number in {interval}, got {value}")
-        if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp <= 1:
-            raise QuantkitError(f"--damp must be a number in (0, 1], got {self.damp}")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise QuantkitError(f"--block-size must be a positive integer, got {self.block_size}")
-        for key in ("sym", "per_row"):
-            if not isinstance(getattr(self, key), bool):
-                raise QuantkitError(f"ooc setting {key} must be true or false, got {getattr(self, key)!r}")
-        if self.impl not in ("batch", "naive"):
-            raise QuantkitError(f"--impl must be batch or naive, got {self.impl!r}")
 
     def run_candidates(self, w, h_inv, g, clear_mask):
-        if self.impl == "batch":
-            return ooc_gptq(w.expand(clear_mask.shape[0], -1, -1), h_inv, self.low_bits, self.high_bits, g,
-                            self.sym, clear_mask, self.block_size)
-        parts = [ooc_gptq(w[None], h_inv, self.low_bits, self.high_bits, g, self.sym, clear_mask[m : m + 1],
-                          self.block_size) for m in range(clear_mask.shape[0])]
-        return tuple(torch.cat(items) for items in zip(*parts))
+        """ooc_gptq's results for every candidate (clear_mask [c, d]), all at once from the shared w [k, d]."""
+        return ooc_gptq(w.expand(clear_mask.shape[0], -1, -1), h_inv, self.low_bits, self.high_bits, g, self.sym,
+                        clear_mask, self.block_size)
 
     def quantize(self, weight, stats):
         k, d = weight.shape

@@ -3,7 +3,8 @@
 import torch
 
 from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
-from quantkit.methods.base import Method, check_bits, check_group_size, effective_group_size, register_method
+from quantkit.methods.base import Method, effective_group_size, register_method
+from quantkit.methods.configs import RTNConfig
 
 
 def rtn_quantize(weight, bits, group_size, sym, clip_search=False):
@@ -22,15 +23,8 @@ def rtn_quantize(weight, bits, group_size, sym, clip_search=False):
     return codes, scales, zeros, g
 
 
-@register_method
+@register_method(RTNConfig)
 class RTN(Method):
-    name = "rtn"
-    params = {"bits": 4, "group_size": 128, "sym": False, "clip_search": False}
-
-    def validate(self):
-        check_bits(self.bits)
-        check_group_size(self.group_size)
-
     def quantize(self, weight, stats):
         codes, scales, zeros, g = rtn_quantize(weight, self.bits, self.group_size, self.sym, self.clip_search)
         qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.bits, g, self.sym)

@@ -1,5 +1,7 @@
-"""SqueezeLLM-style non-uniform quantization: per output row, sensitivity-weighted 1-D k-means with
-2^b centroids (exact, by the C++ extension of kmeans_native.py when it builds; else the torch heuristic
+"""SqueezeLLM-style non-uniform quantization: per-row sensitivity-weighted k-means codebooks.
+
+Per output row, sensitivity-weighted 1-D k-means with 2^b centroids (exact, by the C++ extension of
+kmeans_native.py when it builds; else the torch heuristic
 of kmeans.py); stored as a per-row fp16 lookup table plus b-bit codes in the any-precision bitplane
 format with seed == parent == b (formats/anyprec.py).
 
@@ -16,11 +18,10 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.anyprec import AnyPrecisionTensor
-from quantkit.methods.base import Method, check_bits, register_method
+from quantkit.methods.base import Method, register_method
+from quantkit.methods.configs import SENSITIVITIES, SqueezeLLMConfig
 from quantkit.methods.kmeans import SortedRows, kmeans_runs
 from quantkit.methods.kmeans_native import native_anyprec
-
-SENSITIVITIES = ("activation", "fisher", "none")
 
 
 def sensitivity_weights(weight: torch.Tensor, stats, kind: str) -> torch.Tensor:
@@ -54,22 +55,13 @@ def sensitivity_stats(kind):
     return {"none": (), "activation": ("hessian",), "fisher": ("hessian", "fisher")}[kind]
 
 
-def check_sensitivity(kind):
-    if kind not in SENSITIVITIES:
-        raise QuantkitError(f"--sensitivity must be one of {', '.join(SENSITIVITIES)}, got {kind!r}")
-
-
-@register_method
+@register_method(SqueezeLLMConfig)
 class SqueezeLLM(Method):
-    name = "squeezellm"
     output_format = "anyprec"
-    stats = ("hessian",)
-    params = {"bits": 3, "sensitivity": "activation"}
 
-    def validate(self):
-        check_bits(self.bits, 2, 8)
-        check_sensitivity(self.sensitivity)
-        self.stats = sensitivity_stats(self.sensitivity)
+    @property
+    def stats(self):
+        return sensitivity_stats(self.sensitivity)
 
     def quantize(self, weight, stats):
         sens = sensitivity_weights(weight, stats, self.sensitivity)

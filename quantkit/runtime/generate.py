@@ -1,4 +1,4 @@
-"""Generation with loaded models (quantized or float).
+"""Generation with loaded models (quantized or float): transformers' generate, and a static-cache greedy decoder.
 
 `generate_text` runs transformers' `generate` with the KV cache on (loaded artifacts set
 config.use_cache = False for perplexity; generation must not inherit that), greedy or sampled,
@@ -10,8 +10,8 @@ transformers uses as given (so none of its mask-building code, some of which rea
 on the host, runs per step). The next token is chosen on the device and written back into the
 input buffer, so one decode step has fixed shapes and addresses and no host synchronisation: it
 can be captured once in a CUDA graph (`capture()`) and replayed token after token with no Python
-between kernels. Benchmarks need this, or Python overhead (tens of ms per token for 32 layers)
-hides what the kernels save. Llama-style decoders (rotary positions from position_ids).
+between kernels: without it Python overhead (tens of ms per token for 32 layers) hides what the
+kernels save. Llama-style decoders (rotary positions from position_ids).
 
 Decode steps write each layer's new key and value into the static cache at the decoder's own position
 buffer, one compiled function per layer on CUDA (two small kernels). transformers' StaticCache does the
@@ -234,11 +234,10 @@ class StaticGreedyDecoder:
 
     attention: "split" attends in decode steps with `decode_attention` where it can serve them (CUDA,
     Triton, an SDPA model), and that kernel writes each layer's new key and value into the cache;
-    "split-separate-write" the same with the compiled cache write before it (for measuring the two
-    apart); "sdpa" keeps transformers' SDPA over the masked cache.
+    "sdpa" keeps transformers' SDPA over the masked cache.
     """
 
-    ATTENTION_MODES = ("split", "split-separate-write", "sdpa")
+    ATTENTION_MODES = ("split", "sdpa")
 
     def __init__(self, model, max_len, batch_size=1, attention="split"):
         from transformers import StaticCache
@@ -273,13 +272,12 @@ class StaticGreedyDecoder:
         if attention not in self.ATTENTION_MODES:
             raise QuantkitError(f"attention must be one of {', '.join(self.ATTENTION_MODES)}, not {attention!r}")
         # the split kernel replaces SDPA only: an "eager" model keeps its own attention
-        self.split_attention = (attention.startswith("split") and attn == "sdpa" and self.device.type == "cuda"
+        self.split_attention = (attention == "split" and attn == "sdpa" and self.device.type == "cuda"
                                 and decode_attention.available())
-        self._kernel_writes_cache = attention == "split"
         if self.split_attention:  # rows share one position
             self._attention_step = decode_attention.DecodeStep(
                 self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device),
-                layer_cache=self._layer_cache if self._kernel_writes_cache else None)
+                layer_cache=self._layer_cache)
 
     def _layer_cache(self, layer_idx):
         return _static_layer_kv(self.cache, layer_idx) if self._in_step else None
@@ -288,7 +286,7 @@ class StaticGreedyDecoder:
         kv = self._layer_cache(layer_idx)
         if kv is None:
             return self._cache_update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.split_attention and self._kernel_writes_cache:  # its attention call writes them (attention_forward)
+        if self.split_attention:  # its attention call writes them (attention_forward)
             self._attention_step.pending[layer_idx] = (key_states, value_states)
             return kv
         write = _compiled_write_kv() if key_states.is_cuda else decode_attention.write_kv
@@ -327,7 +325,7 @@ class StaticGreedyDecoder:
             # (writing a position twice is harmless).
             self._attention_step.pending.clear()
             self.split_attention = False
-            warnings.warn("split decode attention did not reach every layer of this model; using SDPA")
+            warnings.warn("split decode attention did not reach every layer of this model; using SDPA", stacklevel=2)
             return self._next_token(ids, positions)
         return self._pick(logits)
 

@@ -41,7 +41,8 @@ class QuantLinear(torch.nn.Module):
         """Serve `bits` (anyprec only; None = the stored default). Drops the cached weight."""
         if bits is not None:
             if self.meta["format"] != "anyprec":
-                raise QuantkitError(f"bits={bits} can only be chosen for any-precision tensors, not {self.meta['format']}")
+                raise QuantkitError(f"bits={bits} can only be chosen for any-precision tensors, "
+                                    f"not {self.meta['format']}")
             self.qtensor().check_bits(bits)
         self.bits = bits
         self._cached = None
@@ -89,4 +90,5 @@ class QuantLinear(torch.nn.Module):
         return out
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.meta['format']}, bits={self.bits or self.meta.get('bits')}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.meta['format']}, bits={self.bits or self.meta.get('bits')}")

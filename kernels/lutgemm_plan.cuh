@@ -1,0 +1,51 @@
+// Launch planning of the LUT-GEMM kernels, shared by the CUDA launchers (lutgemm.cu) and the CPU
+// emulation (lutgemm_emu.cpp): padded batch, row tiles and chunks, the kernels' parameters, grid size.
+#pragma once
+
+#include "lutgemm_lut_kernel.cuh"
+#include "lutgemm_mma_kernel.cuh"
+
+namespace lutgemm {
+
+inline int padded_batch(int nb) { return nb <= 1 ? 1 : nb <= 2 ? 2 : nb <= 4 ? 4 : 8; }
+
+inline int chunk_cols(int bp) { return bp == 1 ? Cfg<1>::kChunkCols : bp == 2 ? Cfg<2>::kChunkCols : bp == 4 ? Cfg<4>::kChunkCols : Cfg<8>::kChunkCols; }
+inline int steps_per_plane(int bp) { return bp == 1 ? Cfg<1>::kSteps : bp == 2 ? Cfg<2>::kSteps : bp == 4 ? Cfg<4>::kSteps : Cfg<8>::kSteps; }
+
+// Row tiles of the LUT kernel.
+inline int row_tiles(int k) { return (k + kTileRows - 1) / kTileRows; }
+// Per-tile counters one launch may need (the tensor-core path has the smaller tiles).
+inline int max_row_tiles(int k) { return (k + kMmaTileRows - 1) / kMmaTileRows; }
+
+// Whether the tensor-core path can serve a weight: whole 128-column chunks per group.
+inline bool mma_supported(int group_size, int groups) { return groups == 1 || group_size % 128 == 0; }
+
+inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t* qw, const __half* alpha,
+                                 const __half* offset, const __half* bias, __half* y, float* ws, int* counters,
+                                 int q, int W, int k, int G, int g) {
+  LutParams p{};
+  p.x = x, p.qw = qw, p.alpha = alpha, p.offset = offset, p.bias = bias, p.y = y, p.ws = ws, p.counters = counters;
+  p.nb = nb, p.d = d, p.k = k, p.q = q, p.W = W;
+  p.x_vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  p.group_magic = group_magic(g, G);
+  for (int i = 0; i < 32; ++i) p.pow2[i] = 1u << i;
+  p.n_rt = row_tiles(k);
+  const int cw = chunk_cols(padded_batch(nb)) / 32;
+  p.n_ch = (W + cw - 1) / cw;
+  p.planes = q + (offset != nullptr ? 1 : 0);
+  p.steps = (long long)p.n_rt * p.n_ch * p.planes * steps_per_plane(padded_batch(nb));
+  return p;
+}
+
+inline LutParams make_mma_params(LutParams p) {  // from make_lut_params: re-tile for bcq_mma_kernel
+  p.n_rt = (p.k + kMmaTileRows - 1) / kMmaTileRows;
+  p.n_ch = (p.W + kMmaChunkWords - 1) / kMmaChunkWords;
+  p.steps = (long long)p.n_rt * p.n_ch;  // a step is a whole chunk, all planes
+  return p;
+}
+
+inline int lut_grid(const LutParams& p, int max_blocks) {
+  return int(p.steps < max_blocks ? p.steps : max_blocks);
+}
+
+}  // namespace lutgemm

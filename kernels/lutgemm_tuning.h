@@ -1,0 +1,51 @@
+// Tuning switches of the LUT-GEMM kernels (lutgemm_lut_kernel.cuh, lutgemm_mma_kernel.cuh), in one place.
+// Each holds the value the benchmark named beside it chose; every one is guarded by #ifndef, so an A/B
+// build overrides it with -DNAME=value (QUANTKIT_KERNEL_DEFINES, benchmarks/ab_defines.sh lutgemm ...),
+// and an override is part of the kernel build cache's key.
+#pragma once
+
+// ---- the LUT kernel (1..8 columns of x, LUT in shared memory) ------------------------------------
+
+// Ring stages of the LUT kernel's pipeline: each lane has LUT_STAGES - 1 steps of sign words and scales in
+// flight (cp.async into shared memory) while it computes one. 3 stages (104 KB with the LUT at 1..4
+// columns, 2 resident blocks per SM) keep ~96 KB of loads in flight per SM, several times an H100's
+// bandwidth x latency product; at 4 stages shared memory allows only one block per SM.
+#ifndef LUT_STAGES
+#define LUT_STAGES 3  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
+#endif
+static_assert(LUT_STAGES >= 2 && LUT_STAGES <= 8, "LUT_STAGES must be 2..8");
+
+// Words of a row a lane handles per pipeline step (a ring stage holds one step).
+#ifndef LUT_STEP_WORDS
+#define LUT_STEP_WORDS 4  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
+#endif
+static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4, "LUT_STEP_WORDS must be 1, 2 or 4");
+
+// Resident blocks per SM the LUT kernel's register allocation must allow (shared memory allows 2 at 3
+// stages).
+#ifndef LUT_MIN_BLOCKS
+#define LUT_MIN_BLOCKS 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
+#endif
+
+// ---- the tensor-core kernel (5..8 columns of x) --------------------------------------------------
+
+// Ring stages of the tensor-core kernel: MMA_STAGES - 1 chunks in flight per lane. 2 stages are as fast as
+// 3 and leave room for 2 blocks per SM up to q = 4; 3 stages would not fit one SM at q = 8.
+#ifndef MMA_STAGES
+#define MMA_STAGES 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q2-q4 batch 8, H100
+#endif
+static_assert(MMA_STAGES >= 2 && MMA_STAGES <= 8, "MMA_STAGES must be 2..8");
+
+// Resident blocks per SM the tensor-core kernel's register allocation must allow (the ring allows 2 up to
+// q = 4; 3 costs spills and was slower on every shape measured).
+#ifndef MMA_MIN_BLOCKS
+#define MMA_MIN_BLOCKS 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 and 12288x49152 q2-q4, H100
+#endif
+
+// q = 1..MMA_STATIC_Q_MAX get a tensor-core kernel instance each (Q = q: the plane and copy loops unrolled,
+// their strides constants); wider q share one instance that reads q at run time (Q = 0). 0 builds only
+// the shared instance.
+#ifndef MMA_STATIC_Q_MAX
+#define MMA_STATIC_Q_MAX 4  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q2-q4 batch 8, H100
+#endif
+static_assert(MMA_STATIC_Q_MAX >= 0 && MMA_STATIC_Q_MAX <= 4, "the launchers dispatch q = 1..4");

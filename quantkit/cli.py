@@ -400,11 +400,16 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
     for src in models + ((against,) if against else ()):  # a typo must not cost the evaluation of the others
         resolve_source(src)
     _configure_cpu_threads(device)
+    reference = None
+    if against:  # loaded once, scored against every --model
+        from quantkit.pipeline import load_for_eval, resolve_device
+
+        reference = load_for_eval(against, resolve_device(device), dtype, verify=not no_verify)
     results = []
     for src in models:
         results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
                                 data_dir=data_dir, batch_size=batch_size, verify=not no_verify, bits=bits,
-                                against=against)
+                                against=reference)
     click.echo(_ppl_table(results))
     if json_path:
         _write_json(json_path, {"results": results})  # one shape for one model or many

@@ -345,8 +345,9 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
     device = resolve_device(device)
     model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
     reference = reference_source = None
-    if against is not None:
-        reference, reference_tokenizer, reference_source = load_for_eval(against, device, dtype, verify)
+    if against is not None:  # a source, or what load_for_eval returned for it (to score many models against one)
+        loaded = load_for_eval(against, device, dtype, verify) if isinstance(against, (str, Path)) else against
+        reference, reference_tokenizer, reference_source = loaded
         if reference_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise QuantkitError(f"--against {reference_source.display} has another tokenizer than {source.display}; "
                                 "divergences compare next-token distributions over one vocabulary")

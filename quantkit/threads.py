@@ -100,11 +100,19 @@ def choose_threads(environ=None, sample_seconds=0.2, measure_idle=idle_cores) ->
 
 
 def configure_torch_threads(environ=None) -> ThreadChoice:
-    """Apply choose_threads() to torch's intra-op pool (the user's own setting is left as it is)."""
+    """Apply choose_threads() to torch's intra-op pool. OMP_NUM_THREADS / MKL_NUM_THREADS are left to torch,
+    which reads them itself; otherwise the pool is only ever made smaller, so a count the caller set with
+    torch.set_num_threads (below one per core) stays."""
     import torch
 
     choice = choose_threads(environ)
-    if not choice.reason.startswith(("OMP_NUM_THREADS", "MKL_NUM_THREADS")):  # torch read those itself
+    if choice.reason.startswith("QUANTKIT_THREADS"):
         torch.set_num_threads(choice.threads)
+    elif not choice.reason.startswith(("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        current = torch.get_num_threads()
+        if choice.threads < current:
+            torch.set_num_threads(choice.threads)
+        else:
+            choice = ThreadChoice(current, f"{current} threads already set")
     log.info("CPU threads: %d (%s)", choice.threads, choice.reason)
     return choice

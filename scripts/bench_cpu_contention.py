@@ -48,7 +48,7 @@ def run_quantize(model_dir: Path, out: Path, threads_env: dict, busy: bool):
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "quantkit", "quantize", "--model", str(model_dir), "--method",
                                "gptq", "--bits", "4", "--group-size", "128", "--nsamples", "8", "--seqlen", "512",
-                               "--device", "cpu", "--no-checkpoint", "--out", str(out), "--overwrite", "-v",
+                               "--device", "cpu", "--no-checkpoint", "--out", str(out), "--overwrite",
                                "--json", str(out) + ".json"], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
     finally:

@@ -45,3 +45,23 @@ def test_idle_cores_from_proc_stat(monkeypatch):
                     "cpu 0 0 0 0 0 0 0 0\ncpu0 100 0 0 200 0 0 0 0\ncpu1 200 0 0 100 0 0 0 0\ncpu2 9 9 9 9 9 9 9 9\n"])
     idle = threads.idle_cores(0, read_stat=lambda: next(samples), sleep=lambda s: None)
     assert idle == pytest.approx(1.0)
+
+
+def test_configure_only_lowers_an_existing_pool(monkeypatch):
+    import torch
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setattr(threads, "choose_threads",
+                            lambda environ=None: threads.ThreadChoice(2, "2 cores available"))
+        assert threads.configure_torch_threads({}).threads == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "choose_threads", lambda environ=None: threads.ThreadChoice(1, "1.0 of 2 idle"))
+        assert threads.configure_torch_threads({}).threads == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(threads, "choose_threads",
+                            lambda environ=None: threads.ThreadChoice(2, "QUANTKIT_THREADS=2"))
+        threads.configure_torch_threads({})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)

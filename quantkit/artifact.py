@@ -201,6 +201,24 @@ def check_out_dir(out_dir, overwrite):
                             "empty directory")
 
 
+def move_into_place(tmp: Path, out_dir: Path):
+    """Rename the finished directory `tmp` to `out_dir`. An existing `out_dir` is moved aside first and
+    deleted only once the new one is in place; if anything stops the swap (Ctrl-C between the two
+    renames), the old one goes back."""
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    trash = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    out_dir.rename(trash)
+    try:
+        tmp.rename(out_dir)
+    except BaseException:
+        if not out_dir.exists():
+            trash.rename(out_dir)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, float_tensors: dict,
                    quantization_config: dict, quant_log: dict, overwrite=False, max_shard_bytes=DEFAULT_SHARD_BYTES):
     """Write the artifact atomically. qtensors: {module name: QuantizedTensor}. A failure leaves
@@ -242,18 +260,7 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
         (tmp / LOG).write_text(json.dumps(quant_log, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if out_dir.exists():
-            trash = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(trash)
-            try:
-                tmp.rename(out_dir)
-            except BaseException:  # e.g. Ctrl-C between the two renames: the old artifact goes back
-                if not out_dir.exists():
-                    trash.rename(out_dir)
-                raise
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        move_into_place(tmp, out_dir)
     except QuantkitError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

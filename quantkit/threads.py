@@ -1,10 +1,11 @@
 """How many CPU threads quantkit's torch work uses: the cores this process may run on and that are not
 already busy, unless the user set a thread count.
 
-On a shared machine torch's default (one thread per core) collapses: every parallel region ends at a
-barrier, and a thread that shares its core with another busy process holds all the others there for a
-scheduler time slice. GPTQ on a 2-core machine with one core busy ran 16-20x slower with two threads
-than with one. So the count is the smallest of: the cores in the affinity mask, the cgroup CPU quota,
+On a shared machine torch's default (one thread per core) slows down badly: every parallel region ends
+at a barrier, and a thread that shares its core with another busy process holds all the others there
+for a scheduler time slice. GPTQ on a 2-core machine with one core busy took 8.6 s per layer with two
+threads and 4.3 s with one, against 2.6-2.9 s idle (RESULTS.md, CPU times). So the count is the
+smallest of: the cores in the affinity mask, the cgroup CPU quota,
 and the cores found idle over a short sample of /proc/stat.
 """
 
@@ -15,16 +16,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
+
 log = logging.getLogger(__name__)
 
-# Environment variables through which a user states a thread count; any of them set wins.
-USER_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "QUANTKIT_THREADS")
+# Environment variables through which a user states a thread count, in order of precedence. torch reads
+# the last two itself; QUANTKIT_THREADS is quantkit's own and wins over them.
+USER_SETTINGS = ("QUANTKIT_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
     reason: str
+    source: str = "measured"  # "measured", "quantkit" (QUANTKIT_THREADS) or "torch" (a variable torch reads)
 
 
 def affinity_cores() -> int:
@@ -82,11 +87,16 @@ def choose_threads(environ=None, sample_seconds=0.2, measure_idle=idle_cores) ->
     """The thread count quantkit should use, and why (one line for the user)."""
     environ = os.environ if environ is None else environ
     for name in USER_SETTINGS:
-        if environ.get(name, "").strip():
-            try:
-                return ThreadChoice(max(1, int(environ[name])), f"{name}={environ[name]}")
-            except ValueError:
-                continue
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        try:
+            threads = int(value)
+        except ValueError:
+            if name == "QUANTKIT_THREADS":
+                raise QuantkitError(f"QUANTKIT_THREADS must be a positive integer, got {value!r}") from None
+            continue  # torch's own variables: torch decides what it makes of them
+        return ThreadChoice(max(1, threads), f"{name}={value}", "quantkit" if name == "QUANTKIT_THREADS" else "torch")
     cores = affinity_cores()
     threads, reason = cores, f"{cores} cores available"
     quota = cgroup_quota_cores()
@@ -106,13 +116,13 @@ def configure_torch_threads(environ=None) -> ThreadChoice:
     import torch
 
     choice = choose_threads(environ)
-    if choice.reason.startswith("QUANTKIT_THREADS"):
+    if choice.source == "quantkit":
         torch.set_num_threads(choice.threads)
-    elif not choice.reason.startswith(("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+    elif choice.source == "measured":
         current = torch.get_num_threads()
         if choice.threads < current:
             torch.set_num_threads(choice.threads)
         else:
-            choice = ThreadChoice(current, f"{current} threads already set")
+            choice = ThreadChoice(current, f"{current} threads, no more than the {choice.reason}")
     log.info("CPU threads: %d (%s)", choice.threads, choice.reason)
     return choice

@@ -7,7 +7,7 @@ For small inputs only: the tests hold the extension to these results exactly.
 
 import torch
 
-from quantkit.methods.kmeans_native import NativeResult, check_upscale
+from quantkit.methods.kmeans_native import NativeResult
 
 INF = float("inf")
 
@@ -92,10 +92,9 @@ def ref_grow(row, coarse, b, p):
     return leaf
 
 
-def reference_anyprec(weight, sens, seed_bits, parent_bits, upscale="split"):
-    """What native_anyprec computes, in plain Python (slow: small matrices only). Returns a NativeResult on
-    the CPU (no timings)."""
-    check_upscale(upscale)
+def reference_anyprec(weight, sens, seed_bits, parent_bits):
+    """What native_anyprec computes (split upscaling), in plain Python (slow: small matrices only). Returns a
+    NativeResult on the CPU (no timings)."""
     s, p = seed_bits, parent_bits
     weight = weight.detach().to("cpu", torch.float32)
     sens = torch.as_tensor(sens, dtype=torch.float64).expand_as(weight)

@@ -89,19 +89,18 @@ def test_quality_against_torch_path(kind, seed):
 def test_codes_nest_and_tables_are_cluster_means(isa):
     s, p = 2, 6
     x, w = _rows("heavy", 9, 200, seed=5)
-    for upscale in ("split",):
-        res = kn.native_anyprec(x, w, s, p, upscale, isa=isa)
-        assert res.codes.dtype == torch.uint8 and res.codes.shape == x.shape and int(res.codes.max()) < 2**p
-        for b in range(s, p + 1):
-            code = res.codes.long() >> (p - b)  # the b-bit code is the top b bits of the parent code
-            mass = torch.zeros(9, 2**b, dtype=torch.float64).scatter_add_(1, code, w)
-            moment = torch.zeros(9, 2**b, dtype=torch.float64).scatter_add_(1, code, w * x.double())
-            used = mass > 0
-            assert torch.allclose(res.luts[b][used], (moment / mass.clamp_min(1e-300))[used], rtol=1e-9, atol=1e-15)
-            sse = (w * (x.double() - torch.gather(res.luts[b], 1, code)) ** 2).sum(1)
-            assert torch.allclose(res.sse[b], sse, rtol=1e-9)
-        errors = torch.stack([res.sse[b].sum() for b in range(s, p + 1)])
-        assert (errors[1:] < errors[:-1]).all(), errors  # each extra bit refines every cluster
+    res = kn.native_anyprec(x, w, s, p, isa=isa)
+    assert res.codes.dtype == torch.uint8 and res.codes.shape == x.shape and int(res.codes.max()) < 2**p
+    for b in range(s, p + 1):
+        code = res.codes.long() >> (p - b)  # the b-bit code is the top b bits of the parent code
+        mass = torch.zeros(9, 2**b, dtype=torch.float64).scatter_add_(1, code, w)
+        moment = torch.zeros(9, 2**b, dtype=torch.float64).scatter_add_(1, code, w * x.double())
+        used = mass > 0
+        assert torch.allclose(res.luts[b][used], (moment / mass.clamp_min(1e-300))[used], rtol=1e-9, atol=1e-15)
+        sse = (w * (x.double() - torch.gather(res.luts[b], 1, code)) ** 2).sum(1)
+        assert torch.allclose(res.sse[b], sse, rtol=1e-9)
+    errors = torch.stack([res.sse[b].sum() for b in range(s, p + 1)])
+    assert (errors[1:] < errors[:-1]).all(), errors  # each extra bit refines every cluster
 
 
 @needs_ext
@@ -191,8 +190,6 @@ def test_degenerate_rows_and_bad_input():
         kn.native_anyprec(bad, w, 2, 4)
     with pytest.raises(QuantkitError, match="sensitivity"):
         kn.native_anyprec(x, -w, 2, 4)
-    with pytest.raises(QuantkitError, match="upscale must be 'split'"):
-        kn.native_anyprec(x, w, 2, 4, "joint")
     with pytest.raises(QuantkitError, match="upscale"):
         make_method("anyprec", upscale="greedy")
     # the extension's two entry points check their inputs alike (the Python wrappers normally shape them)
@@ -240,7 +237,7 @@ def test_load_cpu_reports_a_failed_build(monkeypatch, tmp_path):
 
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.delenv("QUANTKIT_NO_KERNELS", raising=False)
-    monkeypatch.setattr(build, "CSRC", tmp_path)
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
     monkeypatch.setenv("QUANTKIT_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.warns(UserWarning, match="broken"):
         assert build.load_cpu("broken") is None

@@ -44,7 +44,7 @@ def test_compressed_tensors_own_decoder_gives_quantkit_weights(bits, group_size,
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     qt = _uniform(bits, group_size, sym)
-    config = ct_export.quantization_config(_settings(qt, group_size), ["lm_head"])
+    config = ct_export.quantization_config(_settings(qt, group_size), None, lambda: ["lm_head"])
     scheme = QuantizationScheme(targets=["Linear"],
                                 weights=QuantizationArgs(**config["config_groups"]["group_0"]["weights"]))
     decoded = PackedQuantizationCompressor.decompress(dict(ct_export.module_tensors(qt)), scheme)["weight"]
@@ -101,7 +101,7 @@ def test_gptq_act_order_g_idx_is_kept():
 def test_refusals_name_the_reason(to, settings, checkpoint_format, message):
     full = {"act_order_g_idx": False, "in_features": [D], "out_features": [K], **settings}
     with pytest.raises(QuantkitError, match=message.replace("/", ".").replace("(", ".")) as err:
-        gptq_export.check(full, checkpoint_format) if to == "gptq" else ct_export.check(full)
+        (gptq_export if to == "gptq" else ct_export).check(full, checkpoint_format)
     assert "\n" not in str(err.value)
 
 

@@ -289,7 +289,7 @@ def test_kernel_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
 
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "broken.cu").write_text("this is not CUDA\n")
-    monkeypatch.setattr(build, "CSRC", tmp_path / "csrc")
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path / "csrc")
     monkeypatch.setenv("QUANTKIT_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("QUANTKIT_NO_KERNELS", raising=False)
     monkeypatch.setattr(build.torch.cuda, "is_available", lambda: True)

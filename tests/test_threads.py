@@ -8,8 +8,11 @@ from quantkit import threads
 
 def test_user_setting_wins():
     choice = threads.choose_threads({"OMP_NUM_THREADS": "3"}, measure_idle=lambda s: 0.2)
-    assert choice == threads.ThreadChoice(3, "OMP_NUM_THREADS=3")
-    assert threads.choose_threads({"QUANTKIT_THREADS": "1"}).threads == 1
+    assert choice == threads.ThreadChoice(3, "OMP_NUM_THREADS=3", "torch")
+    both = threads.choose_threads({"OMP_NUM_THREADS": "8", "QUANTKIT_THREADS": "1"})
+    assert both.threads == 1 and both.source == "quantkit"
+    with pytest.raises(threads.QuantkitError, match="QUANTKIT_THREADS must be a positive integer, got 'two'"):
+        threads.choose_threads({"QUANTKIT_THREADS": "two"})
 
 
 def test_busy_cores_lower_the_count(monkeypatch):
@@ -60,7 +63,7 @@ def test_configure_only_lowers_an_existing_pool(monkeypatch):
         monkeypatch.setattr(threads, "choose_threads", lambda environ=None: threads.ThreadChoice(1, "1.0 of 2 idle"))
         assert threads.configure_torch_threads({}).threads == 1 and torch.get_num_threads() == 1
         monkeypatch.setattr(threads, "choose_threads",
-                            lambda environ=None: threads.ThreadChoice(2, "QUANTKIT_THREADS=2"))
+                            lambda environ=None: threads.ThreadChoice(2, "QUANTKIT_THREADS=2", "quantkit"))
         threads.configure_torch_threads({})
         assert torch.get_num_threads() == 2
     finally:

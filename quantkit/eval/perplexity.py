@@ -20,6 +20,8 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 
+KL_POSITIONS = 256  # positions per slice when comparing distributions (memory: a few vocab-sized rows each)
+
 
 def _check_windows(model, ids, seqlen, max_windows):
     max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -63,9 +65,12 @@ def perplexity(model, ids, seqlen=2048, max_windows=None, device="cpu", batch_si
         if reference is not None:
             ref_logits = reference(batch, use_cache=False).logits.float()
             ref_nll.append(_window_nll(ref_logits, batch).cpu())
-            logp, ref_logp = F.log_softmax(logits[:, :-1], -1), F.log_softmax(ref_logits[:, :-1], -1)
-            kld.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).reshape(-1).cpu())
-            agree.append((logits[:, :-1].argmax(-1) == ref_logits[:, :-1].argmax(-1)).reshape(-1).cpu())
+            for p0 in range(0, seqlen - 1, KL_POSITIONS):  # full-vocabulary temporaries a slice at a time
+                end = min(p0 + KL_POSITIONS, seqlen - 1)
+                ours, theirs = logits[:, p0:end], ref_logits[:, p0:end]
+                logp, ref_logp = F.log_softmax(ours, -1), F.log_softmax(theirs, -1)
+                kld.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).reshape(-1).cpu())
+                agree.append((ours.argmax(-1) == theirs.argmax(-1)).reshape(-1).cpu())
     out = {**_ppl_stats(torch.cat(nll)), "windows": windows, "windows_available": available,
            "tokens_scored": windows * (seqlen - 1)}
     if reference is not None:

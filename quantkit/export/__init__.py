@@ -14,9 +14,17 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from quantkit.artifact import check_out_dir, is_quantkit_artifact, read_config, read_tensors, split_module_tensors
-from quantkit.errors import QuantkitError
+from quantkit.artifact import (
+    check_out_dir,
+    is_quantkit_artifact,
+    move_into_place,
+    read_config,
+    read_tensors,
+    split_module_tensors,
+)
+from quantkit.errors import QuantkitError, StorageError
 from quantkit.export import compressed_tensors, gptq
 from quantkit.formats.base import quantized_tensor_from_state_dict
 from quantkit.formats.uniform import UniformQuantizedTensor
@@ -46,7 +54,7 @@ def export_artifact(src, out, to, *, checkpoint_format="gptq", overwrite=False, 
         raise QuantkitError(f"{src}: only uniform (rtn/gptq) artifacts export to {to}; this one stores "
                             f"{', '.join(not_uniform)} weights, which only quantkit's runtime serves")
     settings = _shared_settings(src, modules)
-    target.check(settings, checkpoint_format) if to == "gptq" else target.check(settings)
+    target.check(settings, checkpoint_format)
 
     start = time.perf_counter()
     per_module, rest = split_module_tensors(read_tensors(src, verify=verify), modules)
@@ -54,12 +62,9 @@ def export_artifact(src, out, to, *, checkpoint_format="gptq", overwrite=False, 
     for name, meta in modules.items():
         qt = quantized_tensor_from_state_dict(meta, per_module[name])
         assert isinstance(qt, UniformQuantizedTensor)
-        converted = target.module_tensors(qt, checkpoint_format) if to == "gptq" else target.module_tensors(qt)
+        converted = target.module_tensors(qt, checkpoint_format)
         tensors.update({f"{name}.{key}": value.contiguous() for key, value in converted.items()})
-    if to == "gptq":
-        quant_config = target.quantization_config(settings, checkpoint_format)
-    else:
-        quant_config = target.quantization_config(settings, _linears_left_float(config, modules))
+    quant_config = target.quantization_config(settings, checkpoint_format, lambda: _linears_left_float(config, modules))
     config["quantization_config"] = quant_config
     _write(src, out, config, tensors, quant_config, to, overwrite)
     return {"out": str(out), "to": to, "modules_exported": len(modules), "source": str(src),
@@ -126,12 +131,11 @@ def _write(src, out, config, tensors, quant_config, to, overwrite):
         for path in src.iterdir():
             if path.is_file() and path.suffix != ".safetensors" and path.name not in _NOT_COPIED:
                 shutil.copy2(path, tmp / path.name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except OSError as exc:
+        move_into_place(tmp, out)
+    except (OSError, SafetensorError) as exc:  # safetensors reports I/O failures as its own type
         shutil.rmtree(tmp, ignore_errors=True)
-        raise QuantkitError(f"could not write the export to {out}: {exc.strerror or exc}") from exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StorageError(f"could not write the export to {out}: {reason}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,7 +19,7 @@ import torch
 from quantkit.errors import QuantkitError
 
 
-def check(settings: dict):
+def check(settings: dict, checkpoint_format=None):
     """Refuse what the format cannot represent or vLLM's compressed-tensors loaders reject."""
     group_size = settings["group_size"]
     if settings["act_order_g_idx"]:
@@ -32,7 +32,7 @@ def check(settings: dict):
                                 "loaders expect whole groups (re-quantize with a group size that divides it)")
 
 
-def module_tensors(qt) -> dict:
+def module_tensors(qt, checkpoint_format=None) -> dict:
     k, d = qt.shape
     tensors = {"weight_packed": qt.qweight.contiguous(), "weight_scale": qt.scales.to(torch.float16).contiguous(),
                "weight_shape": torch.tensor([k, d], dtype=torch.int64)}
@@ -41,7 +41,8 @@ def module_tensors(qt) -> dict:
     return tensors
 
 
-def quantization_config(settings: dict, float_linears: list) -> dict:
+def quantization_config(settings: dict, checkpoint_format=None, float_linears=list) -> dict:
+    """config.json's quantization_config; float_linears() names the nn.Linear modules kept in float."""
     per_channel = settings["group_size"] == -1
     weights = {
         "num_bits": settings["bits"],
@@ -59,6 +60,6 @@ def quantization_config(settings: dict, float_linears: list) -> dict:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                       "output_activations": None, "format": "pack-quantized"}},
-        "ignore": float_linears,
+        "ignore": float_linears(),
         "kv_cache_scheme": None,
     }

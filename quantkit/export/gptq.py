@@ -59,8 +59,8 @@ def module_tensors(qt, checkpoint_format: str) -> dict:
     }
 
 
-def quantization_config(settings: dict, checkpoint_format: str) -> dict:
-    """config.json's quantization_config and quantize_config.json."""
+def quantization_config(settings: dict, checkpoint_format: str, float_linears=None) -> dict:
+    """config.json's quantization_config and quantize_config.json (float linears are implied: lm_head)."""
     return {
         "quant_method": "gptq",
         "bits": settings["bits"],

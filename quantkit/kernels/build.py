@@ -1,14 +1,14 @@
 """Build-on-first-use of the CUDA/C++ extensions from the kernel sources, cached across processes.
 
 The sources live in the repository's top-level kernels/ directory; a built wheel carries a copy of it as
-quantkit/kernels/_sources/ (setup.py's build_py puts it there). `CSRC` is whichever of the two this
+quantkit/kernels/_sources/ (setup.py's build_py puts it there). `SOURCE_DIR` is whichever of the two this
 install has: the packaged copy when present, else the checkout's kernels/ (editable and development
 installs).
 
 `load("lutgemm")` compiles the translation units SOURCES["lutgemm"] (lutgemm.cu + lutgemm.cpp) with
 torch.utils.cpp_extension.load into ~/.cache/quantkit/kernels/<name>-<source hash>/ (override with
 QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an unchanged one compiles once
-per machine. The hash covers those units, every header in CSRC (*.h, *.cuh), the flags and the GPU
+per machine. The hash covers those units, every header in SOURCE_DIR (*.h, *.cuh), the flags and the GPU
 architectures built for (TORCH_CUDA_ARCH_LIST, else the visible GPUs'), so a cache shared with another GPU
 model does not hand back a build without this GPU's code (the kernels' sm_90 paths, kernels/overlap.py).
 It returns None, with one warning saying why, when CUDA is absent, QUANTKIT_NO_KERNELS=1 is set, or the
@@ -28,9 +28,9 @@ import torch
 
 PACKAGED_SOURCES = Path(__file__).parent / "_sources"  # in a built wheel (setup.py)
 CHECKOUT_SOURCES = Path(__file__).resolve().parents[2] / "kernels"  # the repository's kernels/
-CSRC = PACKAGED_SOURCES if PACKAGED_SOURCES.is_dir() else CHECKOUT_SOURCES
+SOURCE_DIR = PACKAGED_SOURCES if PACKAGED_SOURCES.is_dir() else CHECKOUT_SOURCES
 
-# Translation units of each extension, in CSRC; the headers they include are found next to them. A name
+# Translation units of each extension, in SOURCE_DIR; the headers they include are found next to them. A name
 # not listed here builds <name>.cu and <name>.cpp where they exist.
 SOURCES = {
     "lutgemm": ("lutgemm.cu", "lutgemm.cpp"),
@@ -50,14 +50,14 @@ def cache_root() -> Path:
 
 
 def sources_for(name):
-    """The existing translation units of CUDA extension `name`, in CSRC."""
-    files = [CSRC / f for f in SOURCES.get(name, (f"{name}.cu", f"{name}.cpp"))]
+    """The existing translation units of CUDA extension `name`, in SOURCE_DIR."""
+    files = [SOURCE_DIR / f for f in SOURCES.get(name, (f"{name}.cu", f"{name}.cpp"))]
     return [f for f in files if f.exists()]
 
 
 def headers():
-    """Every header in CSRC: part of every build's cache key."""
-    return sorted(f for f in CSRC.iterdir() if f.suffix in HEADER_SUFFIXES) if CSRC.is_dir() else []
+    """Every header in SOURCE_DIR: part of every build's cache key."""
+    return sorted(f for f in SOURCE_DIR.iterdir() if f.suffix in HEADER_SUFFIXES) if SOURCE_DIR.is_dir() else []
 
 
 def unavailable_reason(name):
@@ -66,7 +66,7 @@ def unavailable_reason(name):
     if not torch.cuda.is_available():
         return "CUDA is not available"
     if not sources_for(name):
-        return f"no sources for kernel {name!r} in {CSRC}"
+        return f"no sources for kernel {name!r} in {SOURCE_DIR}"
     return _failures.get(name)
 
 
@@ -135,7 +135,7 @@ def load_cpu(name, verbose=False):
     if os.environ.get("QUANTKIT_NO_KERNELS") == "1":
         _loaded[key] = None
         return None
-    sources = [CSRC / f for f in CPU_SOURCES.get(name, (f"{name}.cpp",))]
+    sources = [SOURCE_DIR / f for f in CPU_SOURCES.get(name, (f"{name}.cpp",))]
     missing = [f for f in sources if not f.exists()]
     if missing:
         _failures[key] = f"no source {missing[0]}"

@@ -22,7 +22,7 @@ and it is what lands in the weight cache.
 
 The matvec kernels split a row tile's columns over several blocks and add their fp32 partial sums
 with atomics, in whatever order the blocks finish, so repeated calls can differ in the last bits of
-the fp16 output (BENCHMARKS.md: 21-50 distinct outputs in 50 calls, at most 0.004 apart).
+the fp16 output (docs/lutgemm-kernel.md: 21-50 distinct outputs in 50 calls, at most 0.004 apart).
 Greedy decoding of a model whose logits nearly tie can therefore differ between runs. Under
 torch.use_deterministic_algorithms(True) every call takes the dequantize path instead, whose kernel
 writes each weight once (cuBLAS then needs CUBLAS_WORKSPACE_CONFIG, as torch says).

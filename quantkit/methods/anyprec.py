@@ -3,9 +3,8 @@
 A SqueezeLLM seed at `seed_bits`, then for each extra bit every cluster of every row is split in two by
 the exact sensitivity-weighted 2-means of its own members (kmeans.split_runs, exact=True: the best cut of
 the sorted members), so the (b+1)-bit code of each weight starts with its b-bit code. The b-bit table holds
-the weighted means of
-the b-bit clusters (the optimal centroids for the nested assignment). Stored as one anyprec tensor:
-parent_bits bitplanes + one LUT per width in seed..parent. Vectorised over rows.
+the weighted means of the b-bit clusters (the optimal centroids for the nested assignment). Stored as one
+anyprec tensor: parent_bits bitplanes + one LUT per width in seed..parent. Vectorised over rows.
 
 When the C++ extension builds (kmeans_native.py) it does all of this instead, with an exact k-means seed
 and the same exact splits; without it the torch path below runs.

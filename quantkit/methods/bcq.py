@@ -1,4 +1,4 @@
-"""Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3): w ≈ Σ α_i·b_i (+ z) per group.
+"""Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3).
 
 Per group of g consecutive input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z) minimising ‖w − ŵ‖²
 (nuQmm eq. 1).

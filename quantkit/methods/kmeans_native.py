@@ -45,11 +45,6 @@ def extension():
     return load_cpu("anyprec_cpu")
 
 
-def check_upscale(rule):
-    if rule != UPSCALE:
-        raise QuantkitError(f"upscale must be {UPSCALE!r} (exact 2-means splits), got {rule!r}")
-
-
 def _column_or_matrix(sens, weight):
     """fp64 [n] when the sensitivity is one weight per column (a broadcast view), else fp64 [R, n]."""
     sens = torch.as_tensor(sens)
@@ -76,13 +71,11 @@ def native_isa(isa="auto"):
     return None if ext is None else ext.isa(isa)
 
 
-def native_anyprec(weight, sens, seed_bits, parent_bits, upscale=UPSCALE, *, threads=None, isa="auto"):
-    """Seed + upscaling of every row of weight [R, n] with sensitivity sens ([n], [R, n] or a broadcast
-    view); NativeResult on weight's device, or None when the extension is unavailable.
-    upscale: "split", the one rule (anything else is a QuantkitError). threads: OpenMP threads (default
-    torch.get_num_threads()); isa: "auto", "generic" or "avx2" (the same results; for tests and
-    measurements)."""
-    check_upscale(upscale)
+def native_anyprec(weight, sens, seed_bits, parent_bits, *, threads=None, isa="auto"):
+    """Seed + upscaling (UPSCALE: exact 2-means splits) of every row of weight [R, n] with sensitivity sens
+    ([n], [R, n] or a broadcast view); NativeResult on weight's device, or None when the extension is
+    unavailable. threads: OpenMP threads (default torch.get_num_threads()); isa: "auto", "generic" or
+    "avx2" (the same results; for tests and measurements)."""
     check_isa(isa)
     ext = extension()
     if ext is None:

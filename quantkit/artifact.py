@@ -219,6 +219,36 @@ def move_into_place(tmp: Path, out_dir: Path):
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def check_output_location(out_dir, source_path=None, estimated_bytes=None):
+    """Refuse, before any expensive work, an --out that cannot be written: its nearest existing ancestor
+    must accept a new directory (probed, then removed: permission bits alone say nothing about /proc or a
+    read-only mount), it must not lie inside the input model's directory, and the disk must have room
+    for the estimated artifact."""
+    import errno
+    import tempfile
+
+    out_dir = Path(out_dir).expanduser().absolute()
+    if source_path is not None:
+        source = Path(source_path).resolve()
+        if out_dir.resolve() == source or source in out_dir.resolve().parents:
+            raise QuantkitError(f"--out {out_dir} is inside the input model's directory {source}; write it elsewhere")
+    ancestor = out_dir.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise QuantkitError(f"cannot create --out {out_dir}: {ancestor} is not a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".quantkit-probe-", dir=ancestor)).rmdir()
+    except OSError as exc:
+        reason = exc.strerror or errno.errorcode.get(exc.errno, str(exc))
+        raise QuantkitError(f"cannot create --out {out_dir}: {ancestor} does not accept new files ({reason})") from None
+    if estimated_bytes:
+        free = shutil.disk_usage(ancestor).free
+        if free < estimated_bytes:
+            raise QuantkitError(f"--out {out_dir}: {free / 2**30:.1f} GiB free on its disk, the artifact needs about "
+                                f"{estimated_bytes / 2**30:.1f} GiB")
+
+
 def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, float_tensors: dict,
                    quantization_config: dict, quant_log: dict, overwrite=False, max_shard_bytes=DEFAULT_SHARD_BYTES):
     """Write the artifact atomically. qtensors: {module name: QuantizedTensor}. A failure leaves
@@ -350,15 +380,25 @@ def open_tensor_file(fpath):
         yield fh
 
 
+def verify_files(path, qcfg=None):
+    """Check every tensor file's sha256 against config.json (an unsealed copy has none to check)."""
+    path = Path(path)
+    qcfg = qcfg or read_config(path)["quantization_config"]
+    for fname, expected in sorted(qcfg["files"].items()):
+        if expected is not None and file_digest(path / fname) != expected:
+            raise QuantkitError(f"{path / fname}: checksum mismatch (file truncated or altered); re-create the "
+                                "artifact")
+
+
 def read_tensors(path, verify=True) -> dict:
     """All tensors of the artifact by name, on CPU; checks each file's sha256 unless verify=False."""
     path = Path(path)
     qcfg = read_config(path)["quantization_config"]
+    if verify:
+        verify_files(path, qcfg)
     tensors = {}
-    for fname, expected in sorted(qcfg["files"].items()):
+    for fname in sorted(qcfg["files"]):
         fpath = path / fname
-        if verify and expected is not None and file_digest(fpath) != expected:
-            raise QuantkitError(f"{fpath}: checksum mismatch (file truncated or altered); re-create the artifact")
         with open_tensor_file(fpath) as fh:
             for name in fh.keys():
                 if name in tensors:

@@ -21,7 +21,7 @@ module; the matching formula uses the exact group count ceil(d/g) of our layout.
 import math
 from pathlib import Path
 
-from quantkit.artifact import open_tensor_file, read_config
+from quantkit.artifact import open_tensor_file, read_config, verify_files
 
 FLAG_BITS = 16
 
@@ -142,10 +142,13 @@ def formula_for_meta(meta: dict):
 _DTYPE_BITS = {"F16": 16, "BF16": 16, "F32": 32, "I32": 32, "I64": 64, "U8": 8, "I8": 8, "I16": 16, "BOOL": 8}
 
 
-def measured_bits(artifact_dir) -> dict:
-    """Bits per weight of every quantized module from the stored tensors (headers only, no data read)."""
+def measured_bits(artifact_dir, verify=True) -> dict:
+    """Bits per weight of every quantized module from the stored tensors' headers; the files' checksums
+    are checked first unless verify=False."""
     artifact_dir = Path(artifact_dir)
     qcfg = read_config(artifact_dir)["quantization_config"]
+    if verify:
+        verify_files(artifact_dir, qcfg)
     modules = qcfg["modules"]
     stored = {name: 0 for name in modules}
     for fname in qcfg["files"]:

@@ -215,6 +215,7 @@ def quantize(ctx, **_):
     if values["val_windows"] is not None:
         job["val_windows"] = values["val_windows"]
     _configure_cpu_threads(values["device"])
+    click.echo(_plan(values, method_params), err=True)
     summary = _run_quantize(values["out"], quantize_checkpoint, values["src"], values["out"], values["method"],
                             method_params, fmt=values["format"], ensemble=bool(values["ensemble"]), **job)
     if values["json_path"]:
@@ -224,6 +225,18 @@ def quantize(ctx, **_):
                    + ("  <- kept" if flow["chosen"] else ""))
     click.echo(f"wrote {summary['out']}: {summary['modules_quantized']} linears quantized with {summary['method']} "
                f"{summary['settings']} in {summary['quantize_seconds']} s")
+
+
+def _plan(values, method_params):
+    """One line saying what is about to run, before anything is loaded."""
+    import dataclasses
+
+    config = CONFIGS[values["method"]](**method_params)
+    settings = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    nsamples = "default" if values["nsamples"] is None else values["nsamples"]
+    return (f"plan: {values['method']} ({settings}) on {values['src']} -> {values['out']}; calibration "
+            f"{values['calib']} {nsamples} x {values['seqlen']} tokens, seed {values['seed']}; "
+            f"device {values['device'] or 'auto'}")
 
 
 def _method_settings(values, given, preset=None, from_preset=()):
@@ -541,17 +554,19 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
               help="Formula table: the smallest matrix width, where A_max is taken.")
 @click.option("--per-module", is_flag=True, help="With ARTIFACT: list every module.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--no-verify", is_flag=True, help="With ARTIFACT: skip the tensor files' checksum check.")
 @click.pass_context
-def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
+def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json, no_verify):
     """Bit families: the k-OOC formula table, or the measured bits per weight of ARTIFACT."""
     from quantkit import bitfamily as bf
 
-    given = {k for k in ("group_size", "d_min", "per_module")
+    given = {k for k in ("group_size", "d_min", "per_module", "no_verify")
              if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     if artifact is not None and given & {"group_size", "d_min"}:
         raise QuantkitError("--group-size and --d-min set the formula table; with ARTIFACT the stored settings count")
-    if artifact is None and "per_module" in given:
-        raise QuantkitError("--per-module applies only with ARTIFACT")
+    for name in ("per_module", "no_verify"):
+        if artifact is None and name in given:
+            raise QuantkitError(f"--{name.replace('_', '-')} applies only with ARTIFACT")
     if artifact is None:
         table = bf.formula_table(group_size, d_min)
         if as_json:
@@ -561,7 +576,7 @@ def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
         click.echo(f"g={group_size}, f={bf.FLAG_BITS}, A_max at d={d_min}")
         click.echo(_table(rows, ["scheme", "A_lim", "A_max", "note"]))
         return
-    report = bf.measured_bits(artifact)
+    report = bf.measured_bits(artifact, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -583,11 +598,13 @@ def bitfamily(ctx, artifact, group_size, d_min, per_module, as_json):
 @main.command(short_help="Summarise an artifact: method, settings, sizes, errors.")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect(artifact, as_json):
-    """Summarise a quantkit artifact: method, settings, modules, sizes, calibration, errors."""
+@click.option("--no-verify", is_flag=True, help="Skip the tensor files' checksum check (faster on large artifacts).")
+def inspect(artifact, as_json, no_verify):
+    """Summarise a quantkit artifact: method, settings, modules, sizes, calibration, errors. The tensor files'
+    checksums are checked first, as loading does."""
     from quantkit.inspect_artifact import summarize
 
-    summary = summarize(artifact)
+    summary = summarize(artifact, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -3,17 +3,21 @@
 from collections import Counter
 from pathlib import Path
 
-from quantkit.artifact import read_config, read_log
+from quantkit.artifact import read_config, read_log, verify_files
 from quantkit.bitfamily import measured_bits
 
 
-def summarize(path) -> dict:
+def summarize(path, verify=True) -> dict:
+    """Method, settings, formats, sizes, calibration and errors; the tensor files' checksums are checked
+    first unless verify=False, so a damaged artifact is reported, not summarised."""
     path = Path(path)
     config = read_config(path)
     qcfg = config["quantization_config"]
+    if verify:
+        verify_files(path, qcfg)
     log = read_log(path)
     modules = log.get("modules", [])
-    bits = measured_bits(path)
+    bits = measured_bits(path, verify=False)  # checked above
     settings = {k: v for k, v in qcfg.items() if k not in ("modules", "files", "quant_method", "method")}
     summary = {
         "artifact": str(path),

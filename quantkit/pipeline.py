@@ -1,20 +1,23 @@
 """The end-to-end jobs behind the CLI: quantize a checkpoint into an artifact, evaluate a model."""
 
 import logging
+import math
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from quantkit import __version__
-from quantkit.artifact import check_out_dir, float_tensors, read_log, write_artifact
-from quantkit.data import calibration_windows, eval_tokens
+from quantkit.artifact import check_out_dir, check_output_location, float_tensors, read_log, write_artifact
+from quantkit.data import calibration_windows, check_available, eval_tokens
 from quantkit.engine import quantize_model
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.methods import make_method
-from quantkit.models import adapter_for, load_model, load_tokenizer, resolve_source
+from quantkit.models import adapter_for, check_architecture, load_model, load_tokenizer, resolve_source
 from quantkit.settings import DEFAULT_NSAMPLES, DEFAULT_VAL_WINDOWS
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,35 @@ def check_finite_weights(model):
             raise QuantkitError(f"model tensor {name} contains {bad} NaN/Inf values; the checkpoint is damaged")
 
 
+def _step(progress, message):
+    """One line on stderr per slow step before the per-layer progress bar starts."""
+    if progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(message, file=sys.stderr)
+
+
+def estimated_bytes(source, quantizer):
+    """A lower bound on the artifact's size, from the float checkpoint's tensor count (safetensors headers of
+    a local directory; None for other sources): every weight at the method's widest code width."""
+    if source.kind != "hf_dir":
+        return None
+    from quantkit.artifact import read_header
+
+    settings = quantizer.config()
+    bits = max(v for k, v in settings.items() if k in ("bits", "parent_bits", "high_bits", "low_bits"))
+    params = 0
+    for path in Path(source.path).glob("*.safetensors"):
+        try:
+            header = read_header(path)
+        except QuantkitError:
+            return None  # a damaged checkpoint is reported by the loader, with its own message
+        for name, entry in header.items():
+            if name != "__metadata__":
+                params += math.prod(entry["shape"])
+    return params * bits // 8 or None
+
+
 def _weight_files_signature(source):
     """(name, size, mtime) of the source's weight files: cheap evidence that the model is unchanged."""
     if source.kind == "gguf":
@@ -108,7 +140,11 @@ def run_fingerprint(source, model, quantizer, calib_ids, device, dtype) -> dict:
     return {"quantkit_version": __version__, "model": source.display, "model_files": _weight_files_signature(source),
             "model_config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
             "method": quantizer.name, "settings": quantizer.config(), "calibration_windows": calib,
-            "device_type": torch.device(device).type, "dtype": str(dtype).replace("torch.", "")}
+            "device_type": torch.device(device).type, "dtype": str(dtype).replace("torch.", ""),
+            # what else changes the arithmetic: torch's kernels, the CPU thread count (sum order), quantkit's own
+            "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads() if torch.device(device).type == "cpu" else None,
+            "kernels": "disabled" if os.environ.get("QUANTKIT_NO_KERNELS") == "1" else "enabled"}
 
 
 class _Job:
@@ -262,8 +298,17 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     job.check_settings(quantizer, nsamples, ensemble)
     torch.manual_seed(seed)
 
+    # everything that can be refused is refused here, before the tokenizer or any weight is read
     source = resolve_source(src)
+    size = estimated_bytes(source, quantizer)
+    check_output_location(out, source.path if source.kind == "hf_dir" else None, size)
+    check_architecture(source)
+    if nsamples or ensemble:
+        check_available(calib, "train", data_dir)
+    _step(progress, f"loading the tokenizer of {source.display}")
     tokenizer = load_tokenizer(source)
+    _step(progress, f"loading the weights of {source.display}"
+          + ("" if size is None else f" (artifact at least {size / 2**20:.0f} MiB)"))
     model = load_model(source, dtype=torch_dtype)
     adapter = adapter_for(model.config)
     check_finite_weights(model)
@@ -273,6 +318,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
 
     calib_ids, calib_protocol = None, None
     if nsamples:
+        _step(progress, f"sampling {nsamples} calibration windows of {seqlen} tokens from {calib}")
         calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir)
 
     module_stats, sensitivity_seconds = None, None

@@ -279,7 +279,7 @@ def test_decode_logic_on_cpu_matches_reference(tmp_path, requires):
     src = tmp_path / "harness.cu"
     src.write_text(_HARNESS)
     exe = tmp_path / "harness"
-    build_cmd = [nvcc, "-std=c++17", "-O1", f"-I{build.CSRC}", str(src), "-o", str(exe)]
+    build_cmd = [nvcc, "-std=c++17", "-O1", f"-I{build.SOURCE_DIR}", str(src), "-o", str(exe)]
     subprocess.run(build_cmd, check=True, capture_output=True, text=True, timeout=900)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

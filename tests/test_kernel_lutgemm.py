@@ -26,7 +26,7 @@ from quantkit.kernels import build, dispatch, lutgemm, overlap
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.runtime import QuantLinear
 
-EMULATOR = build.CSRC / "lutgemm_emu.cpp"  # the kernel headers under their CPU emulation
+EMULATOR = build.SOURCE_DIR / "lutgemm_emu.cpp"  # the kernel headers under their CPU emulation
 TOL = 2e-3  # ‖y − y_ref‖ / ‖y_ref‖ against the fp64 reference (the accuracy target)
 
 

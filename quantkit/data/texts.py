@@ -51,6 +51,25 @@ def _read_hub(name, split):
     return list(load_dataset("ptb_text_only", "penn_treebank", split=split)["sentence"])
 
 
+def check_available(name, split, data_dir=None):
+    """Refuse, before any expensive work, a dataset split that is neither local nor loadable from the Hub."""
+    if name not in DATASETS:
+        raise QuantkitError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    root = settings.data_dir(data_dir)
+    rel = _LOCAL_FILES.get((name, split))
+    if root is not None and rel is not None and (root / rel).is_file():
+        return
+    import importlib.util
+
+    if (name, split) == ("wikitext2", "train") and root is not None:
+        raise QuantkitError("WikiText-2 train is not available offline (the shared data has only the test split); "
+                            "use --calib c4 or ptb")
+    if importlib.util.find_spec("datasets") is None:
+        where = f"no {root / rel}" if root is not None and rel else "no data directory is set"
+        raise QuantkitError(f"{name} {split}: not found locally ({where}) and `datasets` is not installed; set "
+                            f"--data-dir/QUANTKIT_DATA to a directory with {rel or name + ' ' + split}")
+
+
 def load_documents(name, split, data_dir=None):
     """Return (documents, source description) for one split of one dataset."""
     if name not in DATASETS:

@@ -65,6 +65,29 @@ def resolve_source(src) -> Source:
     raise QuantkitError(f"model not found: {src} (expected a HF directory, a .gguf file or a hub id org/name)")
 
 
+def check_architecture(source: Source):
+    """Refuse an unsupported architecture from the config alone, before the tokenizer or any weight is read
+    (a large vocabulary's tokenizer can take a minute). A local directory's config.json is read as JSON;
+    other sources go through transformers' AutoConfig."""
+    from types import SimpleNamespace
+
+    from quantkit.models.adapters import adapter_for
+
+    if source.kind == "hf_dir":
+        config = json.loads((Path(source.path) / "config.json").read_text())
+        adapter_for(SimpleNamespace(model_type=config.get("model_type")))
+        return
+    if source.kind == "artifact":
+        raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.path, **source.pretrained_kwargs())
+    except Exception as exc:  # transformers raises many types for unreadable configs
+        raise QuantkitError(f"could not read the model config of {source.display}: {exc}") from exc
+    adapter_for(config)
+
+
 def load_tokenizer(source: Source):
     from transformers import AutoTokenizer
 

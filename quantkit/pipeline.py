@@ -16,6 +16,7 @@ from quantkit.data import calibration_windows, check_available, eval_tokens
 from quantkit.engine import quantize_model
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
+from quantkit.kernels.build import sources_digest
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, check_architecture, load_model, load_tokenizer, resolve_source
 from quantkit.settings import DEFAULT_NSAMPLES, DEFAULT_VAL_WINDOWS
@@ -144,7 +145,8 @@ def run_fingerprint(source, model, quantizer, calib_ids, device, dtype) -> dict:
             # what else changes the arithmetic: torch's kernels, the CPU thread count (sum order), quantkit's own
             "torch": torch.__version__,
             "cpu_threads": torch.get_num_threads() if torch.device(device).type == "cpu" else None,
-            "kernels": "disabled" if os.environ.get("QUANTKIT_NO_KERNELS") == "1" else "enabled"}
+            "kernels": ("disabled" if os.environ.get("QUANTKIT_NO_KERNELS") == "1"
+                        else f"sources {sources_digest()[:16]}")}
 
 
 class _Job:

@@ -60,6 +60,16 @@ def headers():
     return sorted(f for f in SOURCE_DIR.iterdir() if f.suffix in HEADER_SUFFIXES) if SOURCE_DIR.is_dir() else []
 
 
+def sources_digest() -> str:
+    """sha256 over every kernel source file: what a build is made from, for fingerprints of runs whose
+    numbers depend on it (a resumed quantization must use the kernels it started with)."""
+    digest = hashlib.sha256()
+    if SOURCE_DIR.is_dir():
+        for path in sorted(p for p in SOURCE_DIR.iterdir() if p.is_file()):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def unavailable_reason(name):
     if os.environ.get("QUANTKIT_NO_KERNELS") == "1":
         return "QUANTKIT_NO_KERNELS=1"

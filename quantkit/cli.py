@@ -227,14 +227,27 @@ def quantize(ctx, **_):
                f"{summary['settings']} in {summary['quantize_seconds']} s")
 
 
+def _human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+
+
 def _plan(values, method_params):
     """One line saying what is about to run, before anything is loaded."""
     import dataclasses
 
+    from quantkit.methods import make_method
+    from quantkit.models import resolve_source
+    from quantkit.pipeline import estimated_bytes
+
     config = CONFIGS[values["method"]](**method_params)
     settings = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
     nsamples = "default" if values["nsamples"] is None else values["nsamples"]
-    return (f"plan: {values['method']} ({settings}) on {values['src']} -> {values['out']}; calibration "
+    size = estimated_bytes(resolve_source(values["src"]), make_method(values["method"], **method_params))
+    size = "size known once loaded" if size is None else f"artifact at least {_human_bytes(size)}"
+    return (f"plan: {values['method']} ({settings}) on {values['src']} -> {values['out']} ({size}); calibration "
             f"{values['calib']} {nsamples} x {values['seqlen']} tokens, seed {values['seed']}; "
             f"device {values['device'] or 'auto'}")
 

@@ -309,8 +309,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
         check_available(calib, "train", data_dir)
     _step(progress, f"loading the tokenizer of {source.display}")
     tokenizer = load_tokenizer(source)
-    _step(progress, f"loading the weights of {source.display}"
-          + ("" if size is None else f" (artifact at least {size / 2**20:.0f} MiB)"))
+    _step(progress, f"loading the weights of {source.display}")
     model = load_model(source, dtype=torch_dtype)
     adapter = adapter_for(model.config)
     check_finite_weights(model)

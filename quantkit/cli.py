@@ -72,6 +72,22 @@ def _table(rows, columns):
     return "\n".join(line.rstrip() for line in out)
 
 
+class _CalibrationSource(click.ParamType):
+    """c4 / ptb / wikitext2, or a path to a .txt / .jsonl / .json file (read and checked before the model)."""
+
+    name = "c4|ptb|wikitext2|FILE"
+    DATASETS = ("c4", "ptb", "wikitext2")
+
+    def convert(self, value, param, ctx):
+        from quantkit.data.calib_file import SUFFIXES, is_calibration_file
+
+        value = str(value)
+        if value in self.DATASETS or is_calibration_file(value):
+            return value
+        self.fail(f"{value!r} is neither one of {', '.join(self.DATASETS)} nor a {'/'.join(SUFFIXES)} file", param,
+                  ctx)
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="quantkit")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
@@ -171,8 +187,15 @@ def _method_options(command):
 @click.option("--offload-activations", is_flag=True,
               help="Keep the calibration activations in host memory and move one window at a time to the device: "
                    "the device then holds about one layer (for models whose activations do not fit beside it).")
-@click.option("--calib", type=click.Choice(["c4", "ptb", "wikitext2"]), default="c4", show_default=True,
-              help="Calibration dataset (train split).")
+@click.option("--calib", type=_CalibrationSource(), default="c4", show_default=True,
+              help="Calibration text: c4, ptb or wikitext2 (train split, GPTQ protocol), or a local file: .txt "
+                   "(documents separated by blank lines), .jsonl / .json (records with a text field); a file's "
+                   "documents are joined and windows drawn at seeded random offsets.")
+@click.option("--calib-field", default="text", show_default=True,
+              help="--calib FILE.jsonl/.json: the field holding each record's text.")
+@click.option("--calib-chat", is_flag=True,
+              help="--calib FILE: format each record with the tokenizer's chat template (instruct models); "
+                   "records with a \"messages\" list are conversations.")
 @click.option("--nsamples", type=int, default=None,
               help=f"Calibration windows [default: {settings.DEFAULT_NSAMPLES} for methods that need statistics, "
                    "else 0 = none].")
@@ -210,8 +233,9 @@ def quantize(ctx, **_):
     method_params = _method_settings(values, given, values["preset"], from_preset)
     if values["val_windows"] is not None and not values["ensemble"]:
         raise QuantkitError("--val-windows applies only with --ensemble")
-    job = {key: values[key] for key in ("calib", "nsamples", "seqlen", "seed", "device", "dtype", "data_dir",
-                                        "overwrite", "resume", "checkpoint", "offload_activations")}
+    job = {key: values[key] for key in ("calib", "calib_field", "calib_chat", "nsamples", "seqlen", "seed", "device",
+                                        "dtype", "data_dir", "overwrite", "resume", "checkpoint",
+                                        "offload_activations")}
     if values["val_windows"] is not None:
         job["val_windows"] = values["val_windows"]
     _configure_cpu_threads(values["device"])

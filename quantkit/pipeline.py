@@ -13,6 +13,7 @@ import torch
 from quantkit import __version__
 from quantkit.artifact import check_out_dir, check_output_location, float_tensors, read_log, write_artifact
 from quantkit.data import calibration_windows, check_available, eval_tokens
+from quantkit.data.calib_file import is_calibration_file
 from quantkit.engine import quantize_model
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
@@ -268,7 +269,8 @@ class _Job:
             shutdown(self.ranks)
 
 
-def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples=None, seqlen=2048, seed=0,
+def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_field="text", calib_chat=False,
+                        nsamples=None, seqlen=2048, seed=0,
                         device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None,
                         ensemble=False, val_windows=DEFAULT_VAL_WINDOWS, resume=False, checkpoint=True,
                         offload_activations=False):
@@ -305,10 +307,15 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     size = estimated_bytes(source, quantizer)
     check_output_location(out, source.path if source.kind == "hf_dir" else None, size)
     check_architecture(source)
+    if ensemble and is_calibration_file(calib):
+        raise QuantkitError("--ensemble draws its held-out windows from a dataset's train split; use --calib c4 or "
+                            "ptb with it")
     if nsamples or ensemble:
-        check_available(calib, "train", data_dir)
+        check_available(calib, "train", data_dir, calib_field)
     _step(progress, f"loading the tokenizer of {source.display}")
     tokenizer = load_tokenizer(source)
+    if calib_chat and nsamples and not getattr(tokenizer, "chat_template", None):
+        raise QuantkitError(f"--calib-chat: the tokenizer of {source.display} has no chat template")
     _step(progress, f"loading the weights of {source.display}")
     model = load_model(source, dtype=torch_dtype)
     adapter = adapter_for(model.config)
@@ -320,7 +327,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", nsamples
     calib_ids, calib_protocol = None, None
     if nsamples:
         _step(progress, f"sampling {nsamples} calibration windows of {seqlen} tokens from {calib}")
-        calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir)
+        calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir,
+                                                        field=calib_field, chat=calib_chat)
 
     module_stats, sensitivity_seconds = None, None
     if "fisher" in quantizer.stats:  # whole-model squared gradients, before any layer is quantized

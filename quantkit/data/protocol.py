@@ -13,6 +13,7 @@ import random
 
 import torch
 
+from quantkit.data.calib_file import file_token_stream, is_calibration_file
 from quantkit.data.texts import load_documents
 from quantkit.errors import QuantkitError
 
@@ -46,11 +47,26 @@ def eval_tokens(name, tokenizer, seqlen, data_dir=None):
     return ids, protocol
 
 
-def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None):
-    """[nsamples, seqlen] calibration token windows from the train split of `name`."""
+def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None, field="text", chat=False):
+    """[nsamples, seqlen] calibration token windows from the train split of `name`, or from the local
+    file `name` (.txt / .jsonl / .json; data/calib_file.py), whose records' text is in `field`."""
     if nsamples < 1 or seqlen < 2:
         raise QuantkitError(f"calibration needs nsamples >= 1 and seqlen >= 2 (got {nsamples}, {seqlen})")
     rng = random.Random(seed)
+    if is_calibration_file(name):
+        ids, protocol = file_token_stream(name, tokenizer, field, chat)
+        if ids.numel() <= seqlen + 1:
+            raise QuantkitError(f"--calib {name}: {ids.numel()} tokens in it, a window of --seqlen {seqlen} "
+                                f"needs more than {seqlen + 1}")
+        windows = []
+        for _ in range(nsamples):
+            start = rng.randint(0, ids.numel() - seqlen - 1)
+            windows.append(ids[start : start + seqlen])
+        protocol.update(dataset="file", split=None, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                        protocol="file-windows")
+        return torch.stack(windows), protocol
+    if chat:
+        raise QuantkitError("--calib-chat formats records of a local --calib file (.txt/.jsonl/.json)")
     if name == "c4":
         docs, source = load_documents("c4", "train", data_dir)
         encoded = [None] * len(docs)

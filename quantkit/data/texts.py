@@ -51,8 +51,14 @@ def _read_hub(name, split):
     return list(load_dataset("ptb_text_only", "penn_treebank", split=split)["sentence"])
 
 
-def check_available(name, split, data_dir=None):
-    """Refuse, before any expensive work, a dataset split that is neither local nor loadable from the Hub."""
+def check_available(name, split, data_dir=None, field="text"):
+    """Refuse, before any expensive work, a dataset split that is neither local nor loadable from the Hub,
+    or a calibration file that cannot be read (missing, empty, not UTF-8, malformed records)."""
+    from quantkit.data.calib_file import is_calibration_file, read_documents
+
+    if is_calibration_file(name):
+        read_documents(name, field)
+        return
     if name not in DATASETS:
         raise QuantkitError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     root = settings.data_dir(data_dir)

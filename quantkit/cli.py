@@ -411,7 +411,7 @@ def list_methods(as_json):
 
 @main.group("eval")
 def eval_group():
-    """Evaluate models (perplexity)."""
+    """Evaluate models: perplexity (ppl) and downstream tasks (tasks)."""
 
 
 @eval_group.command("ppl", short_help="Perplexity (± stderr); KL divergence against a reference.")
@@ -508,6 +508,57 @@ def _configure_cpu_threads(device):
         from quantkit.threads import configure_torch_threads
 
         configure_torch_threads()
+
+
+@eval_group.command("tasks", short_help="Downstream tasks through lm-evaluation-harness.")
+@click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
+              help="Float checkpoint or quantkit artifact; repeat to compare.")
+@click.option("--tasks", "task_list", required=True,
+              help="Comma-separated lm-eval task names (e.g. arc_easy,hellaswag), or tasks defined under "
+                   "--include-path.")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False),
+              help="Directory of extra lm-eval task YAML files (local data works offline).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
+              help="Few-shot examples [default: the task's].")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Score only the first N documents of each task.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests per forward pass.")
+@click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--bits", type=int, default=None, help="Any-precision artifacts: serve this bit-width.")
+@click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of lm-eval's few-shot sampling.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help='Also write the results as JSON: {"results": [one object per model]}.')
+def eval_tasks(models, task_list, include_path, num_fewshot, limit, batch_size, device, dtype, bits, no_verify, seed,
+               json_path):
+    """Accuracy and other metrics of lm-evaluation-harness tasks, scored on the model quantkit loads (needs
+    `pip install quantkit[eval]`)."""
+    from quantkit.eval.tasks import evaluate_tasks
+    from quantkit.models import resolve_source
+
+    tasks = [t.strip() for t in task_list.split(",") if t.strip()]
+    if not tasks:
+        raise QuantkitError("--tasks names no task")
+    for src in models:
+        resolve_source(src)
+    results = [evaluate_tasks(src, tasks, device=device, dtype=dtype, batch_size=batch_size, limit=limit,
+                              num_fewshot=num_fewshot, include_path=include_path, verify=not no_verify, bits=bits,
+                              seed=seed) for src in models]
+    rows = []
+    for r in results:
+        for task, metrics in r["tasks"].items():
+            for name, value in metrics.items():
+                if name.endswith("_stderr") or not isinstance(value, (int, float)):
+                    continue
+                stderr = metrics.get(f"{name}_stderr")
+                shown = f"{value:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, (int, float)) else "")
+                rows.append([r["model"], task, name, shown, str(r["n_samples"].get(task, ""))])
+    click.echo(_table(rows, ["model", "task", "metric", "value", "n"]))
+    if json_path:
+        _write_json(json_path, {"results": results})
 
 
 @main.command(short_help="Complete prompts with a model; tokens/s.")

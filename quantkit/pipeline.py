@@ -306,7 +306,9 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     source = resolve_source(src)
     size = estimated_bytes(source, quantizer)
     check_output_location(out, source.path if source.kind == "hf_dir" else None, size)
-    check_architecture(source)
+    max_positions = check_architecture(source)
+    if nsamples and max_positions and seqlen > max_positions:
+        raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
     if ensemble and is_calibration_file(calib):
         raise QuantkitError("--ensemble draws its held-out windows from a dataset's train split; use --calib c4 or "
                             "ptb with it")
@@ -316,19 +318,15 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     tokenizer = load_tokenizer(source)
     if calib_chat and nsamples and not getattr(tokenizer, "chat_template", None):
         raise QuantkitError(f"--calib-chat: the tokenizer of {source.display} has no chat template")
+    calib_ids, calib_protocol = None, None
+    if nsamples:  # before the weights: text that is missing or too short is refused without loading them
+        _step(progress, f"sampling {nsamples} calibration windows of {seqlen} tokens from {calib}")
+        calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir,
+                                                        field=calib_field, chat=calib_chat)
     _step(progress, f"loading the weights of {source.display}")
     model = load_model(source, dtype=torch_dtype)
     adapter = adapter_for(model.config)
     check_finite_weights(model)
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    if nsamples and max_positions and seqlen > max_positions:
-        raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
-
-    calib_ids, calib_protocol = None, None
-    if nsamples:
-        _step(progress, f"sampling {nsamples} calibration windows of {seqlen} tokens from {calib}")
-        calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir,
-                                                        field=calib_field, chat=calib_chat)
 
     module_stats, sensitivity_seconds = None, None
     if "fisher" in quantizer.stats:  # whole-model squared gradients, before any layer is quantized

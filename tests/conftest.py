@@ -17,6 +17,10 @@ SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 if "QUANTKIT_DATA" not in os.environ and SHARED_DATA.is_dir():
     os.environ["QUANTKIT_DATA"] = str(SHARED_DATA)
+# Tests never reach the Hub: where `datasets` is installed (lm-eval brings it), a missing local text must
+# fail at once, not after network time-outs.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -615,10 +615,17 @@ def test_refusals_come_before_the_model_loads(tmp_path, tiny_llama_dir, small_da
     assert "/proc" in line
     inside = tiny_llama_dir / "quantized"
     assert_fails(quantize(tiny_llama_dir, inside, "--method", "rtn"), "inside the input model's directory", inside)
-    missing = tmp_path / "no-data"
-    assert_fails(quantize(tiny_llama_dir, out, "--method", "gptq", "--calib", "c4", "--nsamples", 2, "--seqlen", 32,
-                          "--data-dir", missing), "c4 train", out)
     assert_fails(quantize(tiny_llama_dir, out, "--method", "rtn", "--bits", 9), "--bits", out)
+
+
+def test_missing_calibration_text_is_refused_before_the_weights(tmp_path, tiny_llama_dir, monkeypatch):
+    """Only the tokenizer may be read first (where `datasets` is installed, the text is tried on the Hub)."""
+    import quantkit.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    out = tmp_path / "q"
+    assert_fails(quantize(tiny_llama_dir, out, "--method", "gptq", "--calib", "c4", "--nsamples", 2, "--seqlen", 32,
+                          "--data-dir", tmp_path / "no-data"), "c4 train", out)
 
 
 def test_gemma_like_refusal_is_fast(tmp_path):

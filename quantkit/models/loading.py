@@ -67,8 +67,8 @@ def resolve_source(src) -> Source:
 
 def check_architecture(source: Source):
     """Refuse an unsupported architecture from the config alone, before the tokenizer or any weight is read
-    (a large vocabulary's tokenizer can take a minute). A local directory's config.json is read as JSON;
-    other sources go through transformers' AutoConfig."""
+    (a large vocabulary's tokenizer can take a minute); returns the model's context length (or None). A
+    local directory's config.json is read as JSON; other sources go through transformers' AutoConfig."""
     from types import SimpleNamespace
 
     from quantkit.models.adapters import adapter_for
@@ -76,7 +76,7 @@ def check_architecture(source: Source):
     if source.kind == "hf_dir":
         config = json.loads((Path(source.path) / "config.json").read_text())
         adapter_for(SimpleNamespace(model_type=config.get("model_type")))
-        return
+        return config.get("max_position_embeddings")
     if source.kind == "artifact":
         raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
     from transformers import AutoConfig
@@ -86,6 +86,7 @@ def check_architecture(source: Source):
     except Exception as exc:  # transformers raises many types for unreadable configs
         raise QuantkitError(f"could not read the model config of {source.display}: {exc}") from exc
     adapter_for(config)
+    return getattr(config, "max_position_embeddings", None)
 
 
 def load_tokenizer(source: Source):

@@ -201,10 +201,33 @@ def check_out_dir(out_dir, overwrite):
                             "empty directory")
 
 
-def move_into_place(tmp: Path, out_dir: Path):
-    """Rename the finished directory `tmp` to `out_dir`. An existing `out_dir` is moved aside first and
-    deleted only once the new one is in place; if anything stops the swap (Ctrl-C between the two
-    renames), the old one goes back."""
+@contextmanager
+def directory_written_whole(out_dir: Path, what: str):
+    """Yield an empty temporary sibling of `out_dir` to fill. When the block ends, it takes `out_dir`'s
+    place: an existing `out_dir` is moved aside and deleted only once the new one is in place (put back if
+    the swap is interrupted). On any failure the temporary directory goes and `out_dir` is untouched; an
+    I/O failure becomes one StorageError naming the cause (e.g. no space left on device)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        yield tmp
+        _swap_into_place(tmp, out_dir)
+    except QuantkitError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except (OSError, SafetensorError) as exc:  # safetensors reports I/O failures as its own type
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StorageError(f"could not write {what} to {out_dir}: {reason}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(tmp: Path, out_dir: Path):
     if not out_dir.exists():
         tmp.rename(out_dir)
         return
@@ -256,11 +279,7 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
     StorageError naming the cause (e.g. no space left on device)."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+    with directory_written_whole(out_dir, "the artifact") as tmp:
         tensors = dict(float_tensors)
         modules = {}
         for name, qt in qtensors.items():
@@ -290,17 +309,6 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
         (tmp / LOG).write_text(json.dumps(quant_log, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        move_into_place(tmp, out_dir)
-    except QuantkitError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except (OSError, SafetensorError) as exc:  # safetensors reports I/O failures as its own type
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise StorageError(f"could not write the artifact to {out_dir}: {reason}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -408,6 +416,15 @@ def read_tensors(path, verify=True) -> dict:
                 except Exception as exc:
                     raise QuantkitError(f"{fpath}: unreadable tensor {name} ({exc})") from exc
     return tensors
+
+
+def read_quantized_tensors(path, modules: dict, verify=True):
+    """({module: QuantizedTensor}, {name: every other tensor}) of the artifact at `path`, whose
+    quantization_config lists `modules`."""
+    from quantkit.formats.base import quantized_tensor_from_state_dict
+
+    per_module, rest = split_module_tensors(read_tensors(path, verify=verify), modules)
+    return {name: quantized_tensor_from_state_dict(meta, per_module[name]) for name, meta in modules.items()}, rest
 
 
 def split_module_tensors(tensors: dict, modules: dict):

@@ -428,8 +428,7 @@ def evaluate_ppl(src, datasets, *, seqlen=2048, max_windows=None, device=None, d
 def convert_artifact(src, out, fmt="bcq", overwrite=False):
     """Rewrite the quantkit artifact `src` with every quantized module in `fmt` (uniform -> bcq, LUT-GEMM
     appendix C); float tensors, tokenizer and settings are carried over. Returns a summary dict."""
-    from quantkit.artifact import read_config, read_tensors, split_module_tensors
-    from quantkit.formats.base import quantized_tensor_from_state_dict
+    from quantkit.artifact import read_config, read_quantized_tensors
 
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
@@ -437,9 +436,7 @@ def convert_artifact(src, out, fmt="bcq", overwrite=False):
     check_out_dir(out, overwrite)
     config = read_config(src)
     qcfg = config.pop("quantization_config")
-    per_module, rest = split_module_tensors(read_tensors(src), qcfg["modules"])
-    qtensors = {name: quantized_tensor_from_state_dict(meta, per_module[name])
-                for name, meta in qcfg["modules"].items()}
+    qtensors, rest = read_quantized_tensors(src, qcfg["modules"])
     start = time.perf_counter()
     qtensors = convert_qtensors(qtensors, fmt)
     elapsed = time.perf_counter() - start

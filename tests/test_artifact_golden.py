@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from quant_logs import strip_volatile
 from quantkit.pipeline import quantize_checkpoint
 
 GOLDEN = Path(__file__).with_name("golden_artifacts.json")
 
-# what legitimately differs between two runs: wall-clock times, how the run was carried out, and the
-# torch version the log records (the digests were taken with torch 2.13 on the CPU: another torch may
-# sum a reconstruction error, or break a rounding tie, differently)
-VOLATILE = {"time_s", "quantize_seconds", "sensitivity_seconds", "resumed_at_layer", "world_size", "host", "torch"}
+# besides what quant_logs.VOLATILE drops: the torch version the log records (the digests were taken with
+# torch 2.13 on the CPU; another torch may sum a reconstruction error, or break a rounding tie, differently)
+ENVIRONMENT = {"torch"}
 
 CASES = {
     "rtn": ("rtn", {"bits": 3, "group_size": 32}, 0),
@@ -30,14 +30,6 @@ CASES = {
     "anyprec": ("anyprec", {"seed_bits": 3, "parent_bits": 5}, 4),
     "ooc": ("ooc", {"low_bits": 2, "high_bits": 2, "group_size": 32, "clear_fraction": 0.25, "scan": 0.5}, 4),
 }
-
-
-def _strip(value):
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in VOLATILE}
-    if isinstance(value, list):
-        return [_strip(v) for v in value]
-    return value
 
 
 def _digest(payload) -> str:
@@ -68,7 +60,7 @@ def artifact_digests(out: Path) -> dict:
     quant_config = json.loads((out / "config.json").read_text())["quantization_config"]
     quant_config.pop("files", None)
     digests["quantization_config"] = _digest(quant_config)
-    digests["quant_log"] = _digest(_strip(json.loads((out / "quant_log.json").read_text())))
+    digests["quant_log"] = _digest(strip_volatile(json.loads((out / "quant_log.json").read_text()), ENVIRONMENT))
     return digests
 
 

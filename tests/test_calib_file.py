@@ -68,7 +68,7 @@ def _quantize(*args):
     ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), "not UTF-8 text (byte 3"),
     ("fields.jsonl", b'{"content": "x"}\n', "no string field 'text' (set --calib-field)"),
     ("broken.jsonl", b'{"text": "x"\n', "broken.jsonl:1: not valid JSON"),
-    ("tiny.txt", b"two words\n", "tokens in it, a window of --seqlen 32 needs more than 33"),
+    ("tiny.txt", b"two words\n", "tokens; a window of --seqlen 32 needs more than 33"),
 ])
 def test_bad_files_are_refused_in_one_line_with_nothing_written(tmp_path, tiny_llama_dir, name, content, message,
                                                                 monkeypatch):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.export import check_whole_groups, export_artifact
 from quantkit.export import compressed_tensors as ct_export
-from quantkit.export import export_artifact
 from quantkit.export import gptq as gptq_export
 from quantkit.formats.uniform import UniformQuantizedTensor
 from quantkit.methods.rtn import rtn_quantize
@@ -101,6 +101,7 @@ def test_gptq_act_order_g_idx_is_kept():
 def test_refusals_name_the_reason(to, settings, checkpoint_format, message):
     full = {"act_order_g_idx": False, "in_features": [D], "out_features": [K], **settings}
     with pytest.raises(QuantkitError, match=message.replace("/", ".").replace("(", ".")) as err:
+        check_whole_groups(full, to)
         (gptq_export if to == "gptq" else ct_export).check(full, checkpoint_format)
     assert "\n" not in str(err.value)
 

@@ -12,14 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The one list of forbidden patterns (case-insensitive). Each names what it catches.
 FORBIDDEN = {
-    "work session": r"\b(work |this |next |earlier |previous |nineteenth |\d+(st|nd|rd|th) )?sessions?\b",
+    "work session": r"\b(work |this |next |earlier |previous |\w+th |\d+(st|nd|rd|th) )?sessions?\b",
     "issue number": r"\b(issue|task|ticket)s?\s*#?\s*\d+",
     "helper agent": r"\b(the|a|my|our) helpers?\b|\bsub-?agents?\b",
     "borrowed machine": r"\blent\b|\blease[ds]?\b|device (call|tool|time|budget)",
-    "machine-local path": r"/root/|/work/main|/work/shared|\.device-stage|bash_jobs",
+    "machine-local path": r"(?<![\w~.])/(root|work)/|\.device-stage",
     "review round": r"\breviewers? (said|asked)|\bcode review\b",
 }
-# Legitimate uses of the same letters: pytest's fixture scope, torch's "session" of a profiler is not used.
+# Legitimate uses of the same letters: pytest's fixture scope.
 ALLOWED = [r"""scope=["']session["']""", r"pytest session", r"session-scoped"]
 
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".cfg", ".sh", ".cu", ".cuh", ".cpp", ".h", ".json",
@@ -44,7 +44,7 @@ def offences(text):
 
 
 def test_patterns_catch_what_they_name():
-    assert dict(offences("measured in the nineteenth session")) == {"work session": "nineteenth session"}
+    assert dict(offences("measured in the 3rd session")) == {"work session": "3rd session"}
     assert list(offences("see issue 8 and task 12"))[0][0] == "issue number"
     assert list(offences("the helper ran it"))[0][0] == "helper agent"
     assert list(offences("on a lent GPU"))[0][0] == "borrowed machine"

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from factories import save_tiny, tiny_causal_lm
+from quant_logs import strip_volatile
 from quantkit.cli import main
 from quantkit.engine.checkpoint import checkpoint_dir
 
@@ -347,17 +348,8 @@ def test_one_corrupt_byte_in_any_shard_is_detected(tmp_path):
 
 # --- many ranks (gloo on CPU; the device run uses NCCL) --------------------------------------------
 
-VOLATILE = {"time_s", "quantize_seconds", "resumed_at_layer", "world_size", "host"}
-
-
-def _strip(value):
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in VOLATILE}
-    return [_strip(v) for v in value] if isinstance(value, list) else value
-
-
 def _files(artifact):
-    return {p.name: _strip(json.loads(p.read_text())) if p.name == "quant_log.json" else p.read_bytes()
+    return {p.name: strip_volatile(json.loads(p.read_text())) if p.name == "quant_log.json" else p.read_bytes()
             for p in sorted(artifact.iterdir())}
 
 

@@ -10,12 +10,11 @@ import torch
 
 import kill_after_layer
 from factories import save_tiny, tiny_causal_lm
+from quant_logs import strip_volatile
 from quantkit.engine import checkpoint as ckpt
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import quantize_checkpoint
 
-# what legitimately differs between two runs: wall-clock times, and how the run was carried out
-VOLATILE = {"time_s", "quantize_seconds", "sensitivity_seconds", "resumed_at_layer", "world_size", "host"}
 LAYERS = 4
 
 
@@ -73,21 +72,13 @@ def _killed_run(model_dir, out, key, small_data, layer, phase="committed", resum
     return json.loads((ckpt.checkpoint_dir(out) / ckpt.STATE).read_text())
 
 
-def _strip(value):
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in VOLATILE}
-    if isinstance(value, list):
-        return [_strip(v) for v in value]
-    return value
-
-
 def comparable(artifact):
     """{file: bytes} of every file, quant_log.json compared without its volatile keys."""
     files = {}
     for path in sorted(artifact.rglob("*")):
         if path.is_file():
             rel = str(path.relative_to(artifact))
-            files[rel] = _strip(json.loads(path.read_text())) if rel == "quant_log.json" else path.read_bytes()
+            files[rel] = strip_volatile(json.loads(path.read_text())) if rel == "quant_log.json" else path.read_bytes()
     return files
 
 

@@ -47,6 +47,15 @@ def eval_tokens(name, tokenizer, seqlen, data_dir=None):
     return ids, protocol
 
 
+def _random_windows(ids, nsamples, seqlen, rng, what):
+    """The reference's PTB rule: `nsamples` windows of `seqlen` tokens at random offsets of one stream."""
+    if ids.numel() <= seqlen + 1:
+        raise QuantkitError(f"{what} has {ids.numel()} tokens; a window of --seqlen {seqlen} needs more than "
+                            f"{seqlen + 1}")
+    starts = [rng.randint(0, ids.numel() - seqlen - 1) for _ in range(nsamples)]
+    return [ids[start : start + seqlen] for start in starts]
+
+
 def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None, field="text", chat=False):
     """[nsamples, seqlen] calibration token windows from the train split of `name`, or from the local
     file `name` (.txt / .jsonl / .json; data/calib_file.py), whose records' text is in `field`."""
@@ -55,13 +64,7 @@ def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None
     rng = random.Random(seed)
     if is_calibration_file(name):
         ids, protocol = file_token_stream(name, tokenizer, field, chat)
-        if ids.numel() <= seqlen + 1:
-            raise QuantkitError(f"--calib {name}: {ids.numel()} tokens in it, a window of --seqlen {seqlen} "
-                                f"needs more than {seqlen + 1}")
-        windows = []
-        for _ in range(nsamples):
-            start = rng.randint(0, ids.numel() - seqlen - 1)
-            windows.append(ids[start : start + seqlen])
+        windows = _random_windows(ids, nsamples, seqlen, rng, f"--calib {name}")
         protocol.update(dataset="file", split=None, nsamples=nsamples, seqlen=seqlen, seed=seed,
                         protocol="file-windows")
         return torch.stack(windows), protocol
@@ -91,13 +94,7 @@ def calibration_windows(name, tokenizer, nsamples, seqlen, seed=0, data_dir=None
     elif name in ("ptb", "wikitext2"):
         docs, source = load_documents(name, "train", data_dir)
         ids = _encode(tokenizer, (" " if name == "ptb" else "\n\n").join(docs))
-        if ids.numel() <= seqlen + 1:
-            raise QuantkitError(f"calibration data too short: {name} train has {ids.numel()} tokens, "
-                                f"need > {seqlen + 1}")
-        windows = []
-        for _ in range(nsamples):
-            start = rng.randint(0, ids.numel() - seqlen - 1)
-            windows.append(ids[start : start + seqlen])
+        windows = _random_windows(ids, nsamples, seqlen, rng, f"calibration data too short: {name} train")
         protocol = {"tokens": int(ids.numel())}
     else:
         raise QuantkitError(f"unknown calibration dataset {name!r}; choose c4, ptb or wikitext2")

@@ -8,25 +8,21 @@ refused before anything is written, with the format that can take it named.
 """
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from quantkit.artifact import (
     check_out_dir,
+    directory_written_whole,
     is_quantkit_artifact,
-    move_into_place,
     read_config,
-    read_tensors,
-    split_module_tensors,
+    read_quantized_tensors,
 )
-from quantkit.errors import QuantkitError, StorageError
+from quantkit.errors import QuantkitError
 from quantkit.export import compressed_tensors, gptq
-from quantkit.formats.base import quantized_tensor_from_state_dict
 from quantkit.formats.uniform import UniformQuantizedTensor
 
 TARGETS = {"gptq": gptq, "compressed-tensors": compressed_tensors}
@@ -54,19 +50,18 @@ def export_artifact(src, out, to, *, checkpoint_format="gptq", overwrite=False, 
         raise QuantkitError(f"{src}: only uniform (rtn/gptq) artifacts export to {to}; this one stores "
                             f"{', '.join(not_uniform)} weights, which only quantkit's runtime serves")
     settings = _shared_settings(src, modules)
+    check_whole_groups(settings, to)
     target.check(settings, checkpoint_format)
 
     start = time.perf_counter()
-    per_module, rest = split_module_tensors(read_tensors(src, verify=verify), modules)
-    tensors = {name: t for name, t in rest.items()}
-    for name, meta in modules.items():
-        qt = quantized_tensor_from_state_dict(meta, per_module[name])
-        assert isinstance(qt, UniformQuantizedTensor)
+    qtensors, tensors = read_quantized_tensors(src, modules, verify=verify)
+    for name, qt in qtensors.items():
+        assert isinstance(qt, UniformQuantizedTensor)  # _shared_settings admitted uniform modules only
         converted = target.module_tensors(qt, checkpoint_format)
         tensors.update({f"{name}.{key}": value.contiguous() for key, value in converted.items()})
     quant_config = target.quantization_config(settings, checkpoint_format, lambda: _linears_left_float(config, modules))
     config["quantization_config"] = quant_config
-    _write(src, out, config, tensors, quant_config, to, overwrite)
+    _write(src, out, config, tensors, quant_config, to)
     return {"out": str(out), "to": to, "modules_exported": len(modules), "source": str(src),
             "settings": settings, "export_seconds": round(time.perf_counter() - start, 2)}
 
@@ -82,6 +77,16 @@ def _check_out(out: Path, overwrite: bool):
         if method in ("gptq", "compressed-tensors"):
             return
     check_out_dir(out, overwrite)
+
+
+def check_whole_groups(settings: dict, to: str):
+    """Neither target has a partial last group (quantkit keeps one where the group size does not divide a
+    row, as the GPTQ reference does), and their loaders expect whole groups."""
+    group_size = settings["group_size"]
+    for d in settings["in_features"]:
+        if group_size != -1 and d % group_size:
+            raise QuantkitError(f"group size {group_size} does not divide the input width {d}; {to} has no partial "
+                                "last group (re-quantize with a group size that divides it)")
 
 
 def _shared_settings(src, modules) -> dict:
@@ -115,15 +120,11 @@ def _linears_left_float(config: dict, modules: dict) -> list:
                   if isinstance(module, torch.nn.Linear) and name not in modules)
 
 
-def _write(src, out, config, tensors, quant_config, to, overwrite):
-    """Write to a temporary sibling and rename when complete: nothing half written is ever left."""
+def _write(src, out, config, tensors, quant_config, to):
+    """Write to a temporary sibling and put it in place when complete: nothing half written is ever left."""
     from huggingface_hub import save_torch_state_dict
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+    with directory_written_whole(out, "the export") as tmp:
         save_torch_state_dict(tensors, str(tmp), max_shard_size="4GB", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if to == "gptq":  # GPTQModel and AutoGPTQ read the settings from this file
@@ -131,11 +132,3 @@ def _write(src, out, config, tensors, quant_config, to, overwrite):
         for path in src.iterdir():
             if path.is_file() and path.suffix != ".safetensors" and path.name not in _NOT_COPIED:
                 shutil.copy2(path, tmp / path.name)
-        move_into_place(tmp, out)
-    except (OSError, SafetensorError) as exc:  # safetensors reports I/O failures as its own type
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise StorageError(f"could not write the export to {out}: {reason}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

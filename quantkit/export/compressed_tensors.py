@@ -20,16 +20,11 @@ from quantkit.errors import QuantkitError
 
 
 def check(settings: dict, checkpoint_format=None):
-    """Refuse what the format cannot represent or vLLM's compressed-tensors loaders reject."""
-    group_size = settings["group_size"]
+    """Refuse what the format cannot represent (whole groups are checked for every target by the caller)."""
     if settings["act_order_g_idx"]:
         raise QuantkitError("act-order without static groups stores a column -> group index, which "
                             "compressed-tensors no longer represents; use --to gptq, or re-quantize with "
                             "--static-groups (the default)")
-    for d in settings["in_features"]:
-        if group_size != -1 and d % group_size:
-            raise QuantkitError(f"group size {group_size} does not divide the input width {d}; compressed-tensors "
-                                "loaders expect whole groups (re-quantize with a group size that divides it)")
 
 
 def module_tensors(qt, checkpoint_format=None) -> dict:

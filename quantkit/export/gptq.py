@@ -21,8 +21,9 @@ CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
 def check(settings: dict, checkpoint_format: str):
-    """Refuse what the GPTQ format or vLLM's GPTQ loaders cannot take, naming what can."""
-    bits, group_size = settings["bits"], settings["group_size"]
+    """Refuse what the GPTQ format or vLLM's GPTQ loaders cannot take, naming what can (whole groups are
+    checked for every target by the caller)."""
+    bits = settings["bits"]
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise QuantkitError(f"--checkpoint-format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
                             f"got {checkpoint_format!r}")
@@ -34,9 +35,6 @@ def check(settings: dict, checkpoint_format: str):
                             "decode them wrongly; use --to compressed-tensors (zero points kept), or "
                             "--checkpoint-format gptq_v2 for GPTQModel")
     for d in settings["in_features"]:
-        if group_size != -1 and d % group_size:
-            raise QuantkitError(f"group size {group_size} does not divide the input width {d}; the GPTQ format "
-                                "has no partial last group (re-quantize with a group size that divides it)")
         if d * bits % 32:
             raise QuantkitError(f"input width {d} at {bits} bits does not fill whole int32 words; the GPTQ "
                                 "format packs whole words (--to compressed-tensors pads them)")

@@ -1,0 +1,14 @@
+"""What two quant_log.json files of the same quantization may legitimately differ in, and a log without it."""
+
+# wall-clock times, and how the run was carried out (resumed, how many ranks, on which host)
+VOLATILE = frozenset({"time_s", "quantize_seconds", "sensitivity_seconds", "resumed_at_layer", "world_size", "host"})
+
+
+def strip_volatile(value, also=frozenset()):
+    """`value` (parsed JSON) without the VOLATILE keys (and `also`) at any depth."""
+    drop = VOLATILE | set(also)
+    if isinstance(value, dict):
+        return {k: strip_volatile(v, also) for k, v in value.items() if k not in drop}
+    if isinstance(value, list):
+        return [strip_volatile(v, also) for v in value]
+    return value

@@ -68,3 +68,21 @@ def test_save_pretrained_round_trips_through_transformers_and_quantkit(artifacts
     with torch.no_grad():
         want = model(ids).logits
         assert torch.equal(again(ids).logits, want) and torch.equal(unsealed(ids).logits, want)
+
+
+@pytest.mark.requires("cuda")
+@pytest.mark.parametrize("key", ["gptq", "bcq", "anyprec", "opt-rtn"])
+def test_from_pretrained_with_device_map_on_cuda(artifacts, key):
+    """device_map="cuda" and a half dtype: every QuantLinear lands on the GPU and the logits equal quantkit.load's
+    on the same device (the same kernels run in both)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    theirs = AutoModelForCausalLM.from_pretrained(artifacts[key], dtype=torch.float16, device_map="cuda").eval()
+    ours = quantkit.load(artifacts[key], device="cuda", dtype=torch.float16)
+    quantized = [m for m in theirs.modules() if isinstance(m, QuantLinear)]
+    assert quantized and all(t.device.type == "cuda" for m in quantized for t in m.buffers())
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)

@@ -4,7 +4,8 @@
 //
 // launch_matvec dispatches (dtype, k, tiles, flags) to the compiled instances of matvec_kernel
 // (anyprec_matvec_kernel.cuh; which exist: compiled_rule in anyprec_decode.cuh), one block per 16·tiles
-// rows; launch_dequant runs dequant_kernel (anyprec_dequant_kernel.cuh).
+// rows, those with FLAG_PAIR to anyprec_variants.cu; launch_dequant runs dequant_kernel
+// (anyprec_dequant_kernel.cuh).
 
 #include <ATen/core/Tensor.h>
 
@@ -16,10 +17,8 @@
 #include <optional>
 #include <string>
 
-#include "kernel_attrs.h"
-
 #include "anyprec_dequant_kernel.cuh"
-#include "anyprec_matvec_kernel.cuh"
+#include "anyprec_launch.cuh"
 
 namespace anyprec {
 
@@ -30,46 +29,9 @@ bool has_matvec(int dtype, int k, int tiles, int flags) {
   return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
-// Where a matvec launches: the stream, whether with overlap (grid_dependency.h) where the device and
-// the instance allow it, and the launch's error when it failed.
-struct Launch {
-  cudaStream_t stream;
-  bool overlap;
-  int device;
-  mutable cudaError_t error = cudaSuccess;
-};
-
-template <typename T, int K, int TILES, int FLAGS>
-int launch_instance(const MatvecArgs& a, const Launch& on) {
-  if constexpr (!compiled_rule(std::is_same<T, __half>::value, K, TILES, FLAGS)) {
-    return kUnsupported;
-  } else {
-    using C = Config<K, TILES, FLAGS>;
-    auto kernel = matvec_kernel<K, T, TILES, FLAGS>;
-    // a carveout that holds MIN_BLOCKS blocks (the driver's default may keep more L1)
-    const int carveout = std::min(100, (100 * C::MIN_BLOCKS * (C::SMEM_BYTES + 1024) + 228 * 1024 - 1) / (228 * 1024));
-    if (qk::configure_once<matvec_kernel<K, T, TILES, FLAGS>>(C::SMEM_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
-    const int blocks = (a.M + 16 * TILES - 1) / (16 * TILES);
-    const bool overlap = on.overlap && qk::overlap_supported<matvec_kernel<K, T, TILES, FLAGS>>(on.device);
-    on.error = qk::launch_kernel(kernel, blocks, C::THREADS, C::SMEM_BYTES, on.stream, overlap, a);
-    return on.error == cudaSuccess ? kOk : kLaunchFailed;
-  }
-}
-
-template <typename T, int TILES, int FLAGS>
-int launch_k(int k, const MatvecArgs& a, const Launch& s) {
-  switch (k) {
-    case 1: return launch_instance<T, 1, TILES, FLAGS>(a, s);
-    case 2: return launch_instance<T, 2, TILES, FLAGS>(a, s);
-    case 3: return launch_instance<T, 3, TILES, FLAGS>(a, s);
-    case 4: return launch_instance<T, 4, TILES, FLAGS>(a, s);
-    case 5: return launch_instance<T, 5, TILES, FLAGS>(a, s);
-    case 6: return launch_instance<T, 6, TILES, FLAGS>(a, s);
-    case 7: return launch_instance<T, 7, TILES, FLAGS>(a, s);
-    case 8: return launch_instance<T, 8, TILES, FLAGS>(a, s);
-    default: return kUnsupported;
-  }
-}
+// The variants of the shared-memory-table widths (flags with FLAG_PAIR), compiled in anyprec_variants.cu so
+// that the two units build in parallel.
+int launch_matvec_variant(int dtype, int k, int tiles, int flags, const MatvecArgs& a, const Launch& on);
 
 template <typename T, int TILES>
 int launch_flags(int k, int flags, const MatvecArgs& a, const Launch& s) {
@@ -92,6 +54,7 @@ int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args
     return kBadArgs;
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
   flags = normalize_flags(k, flags);
+  if (flags & FLAG_PAIR) return launch_matvec_variant(dtype, k, tiles, flags, a, on);
   if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, on) : launch_flags<__nv_bfloat16, 1>(k, flags, a, on);
   return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, on) : launch_flags<__nv_bfloat16, 2>(k, flags, a, on);
 }

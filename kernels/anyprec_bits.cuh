@@ -23,6 +23,10 @@ namespace anyprec {
 
 constexpr int kMaxBatch = 8;  // the mma's N
 constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4;
+// Variant flags of the shared-memory-table widths (k >= 4; anyprec_decode.cuh Config): FLAG_PAIR packs the
+// tables of rows g and g + 8 into one 32-bit word (half the table bytes, so a deeper ring or more resident
+// blocks), FLAG_OCC sizes registers and shared memory for one more resident block per SM.
+constexpr int FLAG_PAIR = 8, FLAG_OCC = 16;
 
 enum Status { kOk = 0, kUnsupported = 1, kBadArgs = 2, kLaunchFailed = 3 };
 

@@ -9,7 +9,10 @@
 //          interleave them into the two fp16x2 registers the mma takes;
 //   otherwise: one shared-memory load per code from a table replicated once per lane, each
 //          lane's copy in its own bank (word = ((tile_row_slot * 2^k + code) * 32 + lane)),
-//          so the 32 random lookups of a warp never conflict.
+//          so the 32 random lookups of a warp never conflict. With FLAG_PAIR the two row slots
+//          of a tile share one table whose words hold the centroid of row g (low half) and of
+//          row g + 8 (high half), word = ((tile * 2^k + code) * 32 + lane): half the bytes, the
+//          same loads; the fragment packing picks the half of the lane's row slot.
 // Codes are read with plane p as bit p (the reverse of the stored order); tables are filled
 // in that bit-reversed order so no per-weight reversal is needed.
 //
@@ -44,16 +47,19 @@ struct Config {
   static constexpr bool LAYOUT = FLAGS & FLAG_LAYOUT;
   static constexpr bool IBT = FLAGS & FLAG_IBT;
   static constexpr bool PRMT_LUT = (FLAGS & FLAG_TLM) && K <= 3;
+  static constexpr bool PAIR = (FLAGS & FLAG_PAIR) && !PRMT_LUT;  // one table word serves rows g and g + 8
+  static constexpr int TABLE_SLOTS = PAIR ? 1 : 2;                 // tables per tile
   static constexpr bool NIBBLE = K <= 4;                    // codes per merged word: 8 nibbles / 4 bytes
   static constexpr int MERGED = NIBBLE ? 4 : 8;             // merged words per 32-column word
   static constexpr int KT_PER_MERGED = NIBBLE ? 2 : 1;      // k-tiles (4 codes) per merged word
   static constexpr uint32_t BASE = NIBBLE ? 0x11111111u : 0x01010101u;
   static constexpr uint32_t MASK = (1u << K) - 1;
-  static constexpr int TABLE_BYTES = PRMT_LUT ? 0 : TILES * 2 * (1 << K) * 32 * 4;
+  static constexpr int TABLE_BYTES = PRMT_LUT ? 0 : TILES * TABLE_SLOTS * (1 << K) * 32 * 4;
   // The table starts at a multiple of 2^(K+7) in the shared window, so code * 128 and the lane's
   // bank offset are or-ed into its base (one LOP3 per lookup); the slack for that alignment is
-  // allocated. At k = 8 the 32 KB of slack would cost a resident block: there the offset is added.
-  static constexpr bool TABLE_OR = !PRMT_LUT && K < 8;
+  // allocated. At k = 8 the 32 KB of slack would cost a resident block: there the offset is added
+  // (with FLAG_PAIR from k = 7 on, whose 16 KB of slack would otherwise cost a ring stage).
+  static constexpr bool TABLE_OR = !PRMT_LUT && K < (PAIR ? 7 : 8);
   static constexpr int TABLE_ALIGN = TABLE_OR ? (1 << (K + 7)) : 16;
   static constexpr int WARPS = TILES == 2 && K <= AP_FOUR_WARPS_MAX_K ? 4 : 8;
   static constexpr int THREADS = WARPS * 32;
@@ -64,8 +70,8 @@ struct Config {
   static constexpr int stage_bytes(int pieces) { return WARPS * ITEMS * pieces * 32 * 4; }
   // resident blocks per SM the registers and shared memory are sized for (228 KB per SM, 1 KB of
   // it reserved per block)
-  static constexpr int MIN_BLOCKS = WARPS == 4 ? (K <= 3 ? AP_FOUR_WARPS_MIN_BLOCKS_SMALL : AP_FOUR_WARPS_MIN_BLOCKS)
-                                  : K <= 7 ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS;
+  static constexpr int MIN_BLOCKS = (WARPS == 4 ? (K <= 3 ? AP_FOUR_WARPS_MIN_BLOCKS_SMALL : AP_FOUR_WARPS_MIN_BLOCKS)
+                                   : K <= 7 ? AP_MIN_BLOCKS_SMALL : AP_MIN_BLOCKS) + ((FLAGS & FLAG_OCC) ? 1 : 0);
   static constexpr int SMEM_LIMIT = 228 * 1024 / MIN_BLOCKS - 1024;
   static constexpr int FIXED_BYTES = RED_BYTES + (PRMT_LUT ? 0 : TABLE_ALIGN + TABLE_BYTES);
 #ifdef AP_PIECES
@@ -146,25 +152,31 @@ AP_HD PrmtTable prmt_table(const uint4& row) {
   }
 }
 
-// the 4 bank-replicated copies (lanes 4g..4g+3) of entry v of one row, as one 16-byte store
+// entry v of one row in the mma's element type (bits), zero for rows >= M
 template <int K, typename T>
-AP_HD uint4 smem_table_entry(const uint16_t* lut, int row, int M, int v) {
-  const uint32_t e = row < M ? centroid_bits<T>(lut[size_t(row) * (1 << K) + bitrev(v, K)]) : 0u;
-  return make_uint4(e, e, e, e);
+AP_HD uint32_t table_entry(const uint16_t* lut, int row, int M, int v) {
+  return row < M ? centroid_bits<T>(lut[size_t(row) * (1 << K) + bitrev(v, K)]) : 0u;
 }
 
-// byte offset of the table of (tile, row slot rs) inside the table area
-template <int K>
-AP_HD constexpr int table_offset(int tile, int rs) { return (tile * 2 + rs) * (1 << K) * 128; }
+// byte offset of the table of (tile, row slot rs) inside the table area (FLAG_PAIR: both slots share one)
+template <int K, bool PAIR = false>
+AP_HD constexpr int table_offset(int tile, int rs) { return (PAIR ? tile : tile * 2 + rs) * (1 << K) * 128; }
 
-// Fill item i = ((tile * 2 + rs) * 2^K + v) * 8 + g: one 16-byte store of the 4 copies of entry v
-// of row g of (tile, rs), at uint4 index i; g fastest keeps the 8 stores of a quarter-warp in
-// distinct banks. Returns the row offset within the block.
-template <int K>
-AP_HD int table_item(int i, int& v) {
-  const int g = i & 7, ts = i >> (3 + K);
-  v = (i >> 3) & ((1 << K) - 1);
-  return 16 * (ts >> 1) + 8 * (ts & 1) + g;
+// Fill item i of the table area of a block starting at row0: i = (table * 2^K + v) * 8 + g, one 16-byte
+// store at uint4 index i of the 4 bank-replicated copies (lanes 4g..4g+3) of entry v of row g of that
+// table (table = tile * 2 + rs), or with FLAG_PAIR (table = tile) of rows g and g + 8 packed low / high;
+// g fastest keeps the 8 stores of a quarter-warp in distinct banks. Items: TILES * TABLE_SLOTS * 2^K * 8.
+template <int K, typename T, bool PAIR>
+AP_HD uint4 table_fill(const uint16_t* lut, int row0, int M, int i) {
+  const int g = i & 7, ts = i >> (3 + K), v = (i >> 3) & ((1 << K) - 1);
+  uint32_t e;
+  if constexpr (PAIR) {
+    const int row = row0 + 16 * ts + g;
+    e = table_entry<K, T>(lut, row, M, v) | (table_entry<K, T>(lut, row + 8, M, v) << 16);
+  } else {
+    e = table_entry<K, T>(lut, row0 + 16 * (ts >> 1) + 8 * (ts & 1) + g, M, v);
+  }
+  return make_uint4(e, e, e, e);
 }
 
 // Output item o of a block = (tile, batch b, row r16 of the tile), r16 fastest for coalesced
@@ -227,8 +239,9 @@ AP_HD uint32_t code_at_bit7(uint32_t merged, int start, const Pow2& p2) {
   return rotr(merged, (start - 7) & 31);
 }
 
-// The two fp16x2 A registers of k-tile (j, h) for one row: pa = (f0, f1), pb = (f2, f3).
-template <int K, int TILES, int FLAGS>
+// The two fp16x2 A registers of k-tile (j, h) for one row (row slot RS of the tile): pa = (f0, f1),
+// pb = (f2, f3).
+template <int K, int TILES, int FLAGS, int RS>
 AP_HD void decode_ktile(const uint32_t (&R)[K], uint32_t merged, int j, int h, const PrmtTable& pt,
                         const SmemTable& st, const Pow2& p2, uint32_t& pa, uint32_t& pb) {
   using C = Config<K, TILES, FLAGS>;
@@ -265,8 +278,10 @@ AP_HD void decode_ktile(const uint32_t (&R)[K], uint32_t merged, int j, int h, c
       }
       w[f] = lds32(addr);
     }
-    pa = prmt(w[0], w[1], 0x5410);
-    pb = prmt(w[2], w[3], 0x5410);
+    // FLAG_PAIR: row slot 1's centroids are the high halves of the table words
+    constexpr uint32_t sel = C::PAIR && RS == 1 ? 0x7632 : 0x5410;
+    pa = prmt(w[0], w[1], sel);
+    pb = prmt(w[2], w[3], sel);
   }
 }
 
@@ -312,8 +327,8 @@ AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const Prmt
 #pragma unroll
       for (int tile = 0; tile < TILES; ++tile) {
         uint32_t a[4];  // (row g, 2t..), (row g+8, 2t..), (row g, 2t+8..), (row g+8, 2t+8..)
-        decode_ktile<K, TILES, FLAGS>(R[tile][0], merged[tile][0], j, h, pt[tile][0], st[tile][0], p2, a[0], a[2]);
-        decode_ktile<K, TILES, FLAGS>(R[tile][1], merged[tile][1], j, h, pt[tile][1], st[tile][1], p2, a[1], a[3]);
+        decode_ktile<K, TILES, FLAGS, 0>(R[tile][0], merged[tile][0], j, h, pt[tile][0], st[tile][0], p2, a[0], a[2]);
+        decode_ktile<K, TILES, FLAGS, 1>(R[tile][1], merged[tile][1], j, h, pt[tile][1], st[tile][1], p2, a[1], a[3]);
         mma(tile, a, b01, b23);
       }
     }
@@ -321,16 +336,23 @@ AP_HD void decode_word(const uint32_t (&R)[TILES][2][K], const T* xw, const Prmt
 }
 
 // Instances built: every width in fp16 and bf16 with all optimisations (TILES = 2 where the
-// replicated tables fit, k <= 6); the ablations in fp16, k = 3..8, TILES = 1. `flags` is
-// normalised first (TLM only changes k <= 3).
+// replicated tables fit, k <= 6); the ablations in fp16, k = 3..8, TILES = 1; the variants of the
+// shared-memory-table widths k = 4..8 in fp16 and bf16, all optimisations plus FLAG_PAIR, with or
+// without FLAG_OCC (TILES = 2 up to k = 7; anyprec_variants.cu builds them). `flags` is normalised
+// first (TLM only changes k <= 3).
 constexpr int normalize_flags(int k, int flags) { return k > 3 ? (flags | FLAG_TLM) : flags; }
+
+constexpr bool variant_rule(int k, int tiles, int flags) {
+  return (flags == (7 | FLAG_PAIR) || flags == (7 | FLAG_PAIR | FLAG_OCC)) && k >= 4 && k <= 8 &&
+         (tiles == 1 || (tiles == 2 && k <= 7));
+}
 
 constexpr bool compiled_rule(bool half, int k, int tiles, int flags) {
   const bool prod = flags == 7 && (tiles == 1 || (tiles == 2 && k <= 6));
   const bool ablation = half && tiles == 1 && k >= 3 &&
                         (k <= 3 ? (flags == 6 || flags == 5 || flags == 3 || flags == 0)
                                 : (flags == 6 || flags == 5 || flags == 4));
-  return k >= 1 && k <= 8 && (prod || ablation);
+  return k >= 1 && k <= 8 && (prod || ablation || variant_rule(k, tiles, flags));
 }
 
 }  // namespace anyprec

@@ -148,17 +148,14 @@ __global__ void __launch_bounds__((Config<K, TILES, FLAGS>::THREADS), (Config<K,
   for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
-      st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K>(tile, rs)};
+      st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K, C::PAIR>(tile, rs)};
       if constexpr (C::PRMT_LUT) pt[tile][rs] = prmt_table<K, T>(lut_row<K>(args.lut, row0 + 16 * tile + 8 * rs + g, M));
     }
   if constexpr (!C::PRMT_LUT) {
-    constexpr int items = TILES * 2 * (1 << K) * 8;
+    constexpr int items = TILES * C::TABLE_SLOTS * (1 << K) * 8;
     unsigned char* table = smem + (table_addr - red_addr);
-    for (int i = threadIdx.x; i < items; i += kThreads) {
-      int v;
-      const int row = row0 + table_item<K>(i, v);
-      reinterpret_cast<uint4*>(table)[i] = smem_table_entry<K, T>(args.lut, row, M, v);
-    }
+    for (int i = threadIdx.x; i < items; i += kThreads)
+      reinterpret_cast<uint4*>(table)[i] = table_fill<K, T, C::PAIR>(args.lut, row0, M, i);
   }
   __syncthreads();
   qk::wait_prior_grid();  // planes and tables are the weights; x and out belong to earlier kernels

@@ -5,7 +5,9 @@ the others need CUDA and the compiled extension and skip cleanly without them. E
 buffer is filled with NaN first, so an element the kernel fails to write shows up as a mismatch.
 """
 
+import importlib.util
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from overlap_helpers import replay_chains
 from quantkit.formats.anyprec import AnyPrecisionTensor, unpack_bitplanes
 from quantkit.kernels import anyprec_gemm as ag
-from quantkit.kernels import build
+from quantkit.kernels import anyprec_variants, build
 from quantkit.runtime.quant_linear import QuantLinear
 
 pytestmark = pytest.mark.gpu
@@ -147,12 +149,11 @@ static double run(const Problem& Pb) {
   std::vector<double> out(size_t(Pb.B) * M, NAN);
   const int nchunks = (W + C::STEP_WORDS - 1) / C::STEP_WORDS;
   for (int row0 = 0; row0 < M; row0 += 16 * TILES) {
-    if (!C::PRMT_LUT)
-      for (int i = 0; i < TILES * 2 * (1 << K) * 8; ++i) {
-        int v;
-        const int row = row0 + table_item<K>(i, v);
-        reinterpret_cast<uint4*>(window.data() + table_addr)[i] = smem_table_entry<K, T>(lut, row, M, v);
-      }
+    if (!C::PRMT_LUT) {
+      std::memset(window.data() + table_addr, 0xFF, C::TABLE_BYTES);  // poison: every entry must be filled
+      for (int i = 0; i < TILES * C::TABLE_SLOTS * (1 << K) * 8; ++i)
+        reinterpret_cast<uint4*>(window.data() + table_addr)[i] = table_fill<K, T, C::PAIR>(lut, row0, M, i);
+    }
     std::vector<float> red(size_t(C::WARPS) * TILES * 32 * 4, 0.f);
     for (int warp = 0; warp < C::WARPS; ++warp) {
       double Cm[TILES][16][8] = {};
@@ -165,7 +166,7 @@ static double run(const Problem& Pb) {
           SmemTable st[TILES][2];
           for (int tile = 0; tile < TILES; ++tile)
             for (int rs = 0; rs < 2; ++rs) {
-              st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K>(tile, rs)};
+              st[tile][rs] = {table_addr + uint32_t(lane) * 4 + table_offset<K, C::PAIR>(tile, rs)};
               if constexpr (C::PRMT_LUT)
                 pt[tile][rs] = prmt_table<K, T>(lut_row<K>(lut, row0 + 16 * tile + 8 * rs + g, M));
             }
@@ -261,12 +262,17 @@ static void width() {
   shapes<K, __half, 2, 7>(); shapes<K, __nv_bfloat16, 2, 7>();
   shapes<K, __half, 1, 6>(); shapes<K, __half, 1, 5>(); shapes<K, __half, 1, 4>();
   shapes<K, __half, 1, 3>(); shapes<K, __half, 1, 0>();
+  // the shared-memory-table variants (FLAG_PAIR, FLAG_OCC)
+  shapes<K, __half, 1, 15>(); shapes<K, __nv_bfloat16, 1, 15>();
+  shapes<K, __half, 2, 15>(); shapes<K, __nv_bfloat16, 2, 15>();
+  shapes<K, __half, 1, 31>(); shapes<K, __nv_bfloat16, 1, 31>();
+  shapes<K, __half, 2, 31>(); shapes<K, __nv_bfloat16, 2, 31>();
 }
 
 int main() {
   width<1>(); width<2>(); width<3>(); width<4>(); width<5>(); width<6>(); width<7>(); width<8>();
   std::printf("checked %d failed %d\n", checked, failed);
-  return failed != 0 || checked < 60;
+  return failed != 0 || checked < 160;
 }
 """
 
@@ -285,22 +291,64 @@ def test_decode_logic_on_cpu_matches_reference(tmp_path, requires):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+# flags None: the dispatch table's choice; the FLAG_PAIR variants exist for k >= 4 only
+VARIANT_FLAGS = [None, ag.ALL_FLAGS, ag.ALL_FLAGS | ag.FLAG_PAIR, ag.ALL_FLAGS | ag.FLAG_PAIR | ag.FLAG_OCC]
+
+
+@pytest.mark.parametrize("flags", VARIANT_FLAGS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(1, 32), (17, 100), (48, 576), (130, 1000), (64, 4096 + 64), (300, 2080)])
-def test_matvec_matches_reference_for_every_width(ext, dtype, rows, cols):
+@pytest.mark.parametrize("rows,cols", [(1, 32), (17, 100), (48, 576), (130, 1000), (64, 4096 + 64), (300, 2080),
+                                       (8480, 96)])  # 8480 rows: two-tile blocks from batch 4 on
+def test_matvec_matches_reference_for_every_width(ext, dtype, rows, cols, flags):
     qt = _artifact(rows, cols, 2, 8, seed=rows * cols, device="cuda")
     planes = ag.kernel_layout(qt.planes)
     words = -(-cols // 32)
     g = torch.Generator(device="cuda").manual_seed(rows + cols)
     bias = torch.randn(rows, generator=g, device="cuda").to(dtype)
     for bits in qt.supported_bits():
+        if flags is not None and not ext.has_matvec(dtype, bits, 1, flags):
+            continue
         for batch in (1, 3, 8):
             x = torch.randn(batch, cols, generator=g, device="cuda").to(dtype)
             out = torch.full((batch, rows), float("nan"), dtype=dtype, device="cuda")
-            y = ag.matvec(x, planes, qt.luts[bits], bits, words, bias, out=out, ext=ext)
+            y = ag.matvec(x, planes, qt.luts[bits], bits, words, bias, flags=flags, out=out, ext=ext)
             ref = _reference(qt, x, bits, bias)
             assert torch.isfinite(y).all(), (bits, batch)
             assert _rel_err(y, ref) < REL_TOL, (bits, batch, _rel_err(y, ref))
+
+
+def test_dispatch_table_serves_its_candidates(ext, monkeypatch):
+    """A table naming each candidate for some (width, batch) of this GPU: matvec launches exactly that
+    instance, with its tile rule, and matches the reference; widths the table leaves out keep today's."""
+    name = torch.cuda.get_device_name()
+    names = [n for n in ag.CANDIDATES if n != "today"]
+    table = {bits: {batch: names[(bits + batch) % len(names)] for batch in (1, 4, 8)} for bits in range(4, 9)}
+    monkeypatch.setattr(anyprec_variants, "CHOICES", {name: table})
+    monkeypatch.setattr(ag, "_variant_cache", {})
+    launched = []
+
+    class Recording:
+        def __getattr__(self, attr):
+            return getattr(ext, attr)
+
+        def matvec(self, *a):
+            launched.append((a[3], a[7], a[8]))
+            return ext.matvec(*a)
+
+    rows, cols = 8480, 256
+    qt = _artifact(rows, cols, 3, 8, seed=7, device="cuda")
+    planes = ag.kernel_layout(qt.planes)
+    for bits in range(3, 9):
+        for batch in (1, 4, 8):
+            launched.clear()
+            x = torch.randn(batch, cols, device="cuda").half()
+            out = torch.full((batch, rows), float("nan"), dtype=torch.float16, device="cuda")
+            y = ag.matvec(x, planes, qt.luts[bits], bits, cols // 32, out=out, ext=Recording())
+            assert _rel_err(y, _reference(qt, x, bits)) < REL_TOL, (bits, batch)
+            flags, tiles = ag.CANDIDATES[table[bits][batch] if bits >= 4 else "today"]
+            if tiles is None:
+                tiles = ag.choose_tiles(bits, rows, batch, x.device, ext, flags)
+            assert launched == [(bits, flags, tiles)], (bits, batch, launched)
 
 
 def test_one_bit_artifact(ext):
@@ -311,7 +359,7 @@ def test_one_bit_artifact(ext):
     assert _rel_err(y, _reference(qt, x, 1)) < REL_TOL
 
 
-@pytest.mark.parametrize("flags", [0, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("flags", [0, 3, 4, 5, 6, 7, 15, 31])
 def test_every_built_variant_matches_reference(ext, flags):
     rows, cols = 72, 1024  # 32 words: the natural layout needs a multiple of 4
     qt = _artifact(rows, cols, 3, 8, seed=flags, device="cuda")
@@ -470,3 +518,48 @@ def test_unpack_matches_codes_read_by_the_dequantize_kernel(ext):
     lut = torch.arange(16, dtype=torch.float16, device="cuda").repeat(8, 1).contiguous()
     w = ag.dequantize(qt.planes, lut, 4, 64, torch.float32, ext=ext)
     assert torch.equal(w.long(), unpack_bitplanes(qt.planes, 64, 4))
+
+
+def _dispatch_tool():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "anyprec_dispatch_table.py"
+    spec = importlib.util.spec_from_file_location("anyprec_dispatch_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checked_in_dispatch_table_names_built_candidates():
+    for gpu, table in anyprec_variants.CHOICES.items():
+        assert gpu in anyprec_variants.SOURCES, gpu  # every entry says which run it came from
+        for bits, per_batch in table.items():
+            for batch, name in per_batch.items():
+                assert name in ag.CANDIDATES and 1 <= batch <= ag.MAX_BATCH, (gpu, bits, batch, name)
+                assert 4 <= bits <= 8 or name == "today", (gpu, bits, name)  # FLAG_PAIR: k >= 4 only
+    assert anyprec_variants.choice("a GPU the table does not name", 5, 1) == "today"
+
+
+def test_dispatch_tool_picks_only_candidates_slower_nowhere():
+    tool = _dispatch_tool()
+
+    def run(times):  # times: {(bits, batch): {name: [us per shape]}}
+        return [{"shape": [s, s], "bits": bits, "batch": batch,
+                 "candidates": {name: {"us": us[s]} for name, us in cands.items()}}
+                for (bits, batch), cands in times.items() for s in range(2)]
+
+    chosen, _ = tool.choose(run({
+        (5, 1): {"today": [100, 100], "pair": [80, 99], "pair_occ": [70, 103]},  # occ slower on one shape
+        (5, 8): {"today": [100, 100], "pair": [90, 90], "pair_occ": [95, 95]},
+        (6, 1): {"today": [100, 100], "pair": [99, 99.5]},  # too small a gain
+        (6, 8): {"today": [100, 100], "pair": [70, 70]},
+        (7, 1): {"today": [100, 100], "pair": [80, 80], "pair_t1": [75, 75]},
+        (7, 8): {"today": [100, 100], "pair": [80, 80], "pair_t1": [85, 85]},
+    }), tolerance=0.01, min_gain=0.02)
+    assert chosen[5] == {b: "pair" for b in range(1, 9)}  # batch 1 and 8 agree: 2..7 follow
+    assert chosen[6] == {8: "pair"}
+    assert chosen[7] == {1: "pair_t1", 8: "pair"}  # they differ: batches 2..7 keep today's kernel
+    text = tool.render({"H100": chosen}, {"H100": {"device": "NVIDIA H100", "date": "d", "commit": "c"}})
+    namespace = {}
+    exec(compile(text, "anyprec_variants", "exec"), namespace)
+    assert namespace["choice"]("NVIDIA H100 80GB HBM3", 5, 3) == "pair"
+    assert namespace["choice"]("NVIDIA H100 80GB HBM3", 7, 3) == "today"
+    assert namespace["choice"]("NVIDIA H200", 5, 3) == "today"

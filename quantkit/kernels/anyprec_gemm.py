@@ -13,6 +13,8 @@ Two paths, chosen by the number of rows of x (all leading dims flattened):
       (cuBLAS). With module.cache_weight the weight is kept under QuantLinear's cache key
       (device, dtype, bits), as the reference path does.
 The thresholds were measured with benchmarks/bench_anyprec_kernel.py on an H100 (see MATVEC_MAX_ROWS).
+Which compiled instance serves a (width, batch) on a GPU is `choose_variant`'s pick from the measured table
+in quantkit/kernels/anyprec_variants.py (today's kernel wherever the table says nothing).
 On sm_90+ the matvec launches overlap the kernel before them (kernels/overlap.py): planes and tables
 first, x after that kernel has ended; a module's first call with new planes or tables launches without
 it (overlap.settled).
@@ -23,12 +25,26 @@ Functions here take plain tensors so tests and benchmarks can call each variant 
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import build, overlap
+from quantkit.kernels import anyprec_variants, build, overlap
 from quantkit.kernels.dispatch import register
 
 FLAG_LAYOUT, FLAG_IBT, FLAG_TLM = 1, 2, 4  # the paper's three optimisations, as in kernels/anyprec_bits.cuh
 ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
+# variants of the shared-memory-table widths k >= 4 (kernels/anyprec_bits.cuh): tables of two rows per word,
+# one more resident block per SM
+FLAG_PAIR, FLAG_OCC = 8, 16
 MAX_BATCH = 8  # rows of x per matvec launch
+
+# The instances a (width, batch) may be served by, by name: (flags, tiles), tiles None = choose_tiles.
+# "today" is the kernel every width used before the variants; anyprec_variants.CHOICES names the others
+# where a benchmark showed them faster (benchmarks/bench_anyprec_variants.py).
+CANDIDATES = {
+    "today": (ALL_FLAGS, None),
+    "pair": (ALL_FLAGS | FLAG_PAIR, None),
+    "pair_occ": (ALL_FLAGS | FLAG_PAIR | FLAG_OCC, None),
+    "pair_t1": (ALL_FLAGS | FLAG_PAIR, 1),
+    "pair_occ_t1": (ALL_FLAGS | FLAG_PAIR | FLAG_OCC, 1),
+}
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
 # dequantize + cuBLAS takes over: "cached" when QuantLinear already holds the dequantized weight
@@ -86,29 +102,58 @@ def prepared_planes(module) -> torch.Tensor:
 _sm_counts = {}
 
 
-def choose_tiles(bits, rows_out, batch, device, ext):
+def _device_index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def choose_tiles(bits, rows_out, batch, device, ext, flags=ALL_FLAGS):
     """16-row tiles per block. Every block reads all of x from L2: batch * in_features * 2 bytes
     against 16 * tiles * in_features * bits / 8 bytes of weights, so from batch 4 on x would
     outweigh the weights unless a block covers 2 tiles. At batch 1-2, 1 tile (twice the blocks)
-    balances better. k >= 7 tables only fit once; 2 tiles need enough blocks to fill the GPU twice.
+    balances better. Two tiles only where an instance is built (today's kernel: k <= 6, its tables
+    fit once from k = 7; FLAG_PAIR: k <= 7) and enough blocks fill the GPU twice.
     The benchmark's tiles table confirms it on the H100 (11008x4096, 4 bits: batch 1 21.1 vs 23.1 us,
     batch 8 42.1 vs 31.2 us for 1 vs 2 tiles)."""
-    if bits > 6 or batch < 4:
+    if batch < 4:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _sm_counts:
         _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    if -(-rows_out // 32) >= 2 * _sm_counts[index] and ext.has_matvec(torch.float16, bits, 2, ALL_FLAGS):
+    if -(-rows_out // 32) >= 2 * _sm_counts[index] and ext.has_matvec(torch.float16, bits, 2, flags):
         return 2
     return 1
 
 
-def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=None, out=None, ext=None,
+_gpu_names = {}
+_variant_cache = {}
+
+
+def choose_variant(bits, rows_out, batch, device, dtype, ext):
+    """(flags, tiles) of the instance serving `batch` rows of x at `bits` on `device`: the candidate
+    anyprec_variants.CHOICES names for this GPU, width and batch when it is built, else today's kernel."""
+    index = _device_index(device)
+    key = (index, bits, rows_out, batch, dtype)
+    chosen = _variant_cache.get(key)
+    if chosen is None:
+        if index not in _gpu_names:
+            _gpu_names[index] = torch.cuda.get_device_name(index)
+        flags, tiles = CANDIDATES[anyprec_variants.choice(_gpu_names[index], bits, batch)]
+        if not ext.has_matvec(dtype, bits, 1, flags):
+            flags, tiles = CANDIDATES["today"]
+        if tiles is None:
+            tiles = choose_tiles(bits, rows_out, batch, device, ext, flags)
+        chosen = _variant_cache[key] = (flags, tiles)
+    return chosen
+
+
+def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, out=None, ext=None,
            overlapped=False):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
     planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
     must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
+    flags None: the instance choose_variant picks for each launch's rows (the kernel layout); tiles None:
+    choose_tiles for flags with all three optimisations, else 1.
     overlapped: launch with overlap (kernels/overlap.py; planes and lut must not be written by the
     kernels just before).
     """
@@ -119,11 +164,16 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=ALL_FLAGS, tiles=No
         x2 = F.pad(x2, (0, width - cols)).contiguous()  # zero columns: padding codes meet zeros
     if out is None:
         out = torch.empty(rows, lut.shape[0], dtype=x2.dtype, device=x2.device)
-    if tiles is None:
-        tiles = choose_tiles(bits, lut.shape[0], min(rows, MAX_BATCH), x2.device, ext) if flags == ALL_FLAGS else 1
     for start in range(0, rows, MAX_BATCH):
+        batch = min(MAX_BATCH, rows - start)
+        f, t = flags, tiles
+        if f is None:
+            f, auto_tiles = choose_variant(bits, lut.shape[0], batch, x2.device, x2.dtype, ext)
+            t = auto_tiles if t is None else t
+        elif t is None:
+            t = choose_tiles(bits, lut.shape[0], batch, x2.device, ext, f) if (f & ALL_FLAGS) == ALL_FLAGS else 1
         ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
-                   out[start:start + MAX_BATCH], flags, tiles, overlapped)
+                   out[start:start + MAX_BATCH], f, t, overlapped)
     return out
 
 

@@ -1,0 +1,141 @@
+"""Any-precision matvec: today's kernel against its variants (anyprec_gemm.CANDIDATES) and cuBLAS fp16.
+
+One process, one GPU. For every shape, width 3..8 and batch 1 and 8 it times cuBLAS fp16 and each built
+candidate instance (today's kernel, FLAG_PAIR / FLAG_OCC variants, with their own tile choice or one tile)
+on the same random 8-bit parent, in alternating order over two passes (best of the two medians is kept).
+Timing as bench_anyprec_kernel.py: CUDA graphs of many calls cycling through weight copies larger than 3x L2.
+
+  python benchmarks/bench_anyprec_variants.py --json out.json [--shapes 4096x4096,...] [--bits 4,8]
+
+The JSON is rewritten after every shape (a cut-short run keeps what it measured) and is what
+benchmarks/anyprec_dispatch_table.py turns into quantkit/kernels/anyprec_variants.py. Printed last: per
+shape, width and batch the cuBLAS time, today's time, the best candidate and its speedup over cuBLAS fp16,
+GB/s of bytes read and fraction of the fp16 streaming rate.
+"""
+
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+from bench_anyprec_kernel import Parent, copies_for, fmt_table, graph_time
+
+from quantkit.kernels import anyprec_gemm as ag
+from quantkit.kernels import build
+
+# the shapes that matter most first: a run cut short by its time limit keeps them
+SHAPES = [(28672, 8192), (49152, 12288), (11008, 4096), (4096, 4096), (8192, 28672), (4096, 11008),
+          (14336, 4096)]
+
+
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def instances(ext, bits, rows, batch, device):
+    """{candidate name: (flags, tiles)} of the built candidates for this case."""
+    found = {}
+    for name, (flags, tiles) in ag.CANDIDATES.items():
+        if not ext.has_matvec(torch.float16, bits, 1, flags):
+            continue
+        if tiles is None:
+            tiles = ag.choose_tiles(bits, rows, batch, device, ext, flags)
+        if ext.has_matvec(torch.float16, bits, tiles, flags):
+            found[name] = (flags, tiles)
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True, help="write every measurement to this file")
+    ap.add_argument("--shapes", help="comma-separated MxN (out x in) instead of the default shapes")
+    ap.add_argument("--bits", default="3,4,5,6,7,8", help="comma-separated widths (default 3..8)")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batches (default 1,8)")
+    ap.add_argument("--passes", type=int, default=2, help="alternating passes over the candidates (default 2)")
+    args = ap.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.perf_counter()
+    ext = build.load("anyprec", verbose=False)
+    build_s = time.perf_counter() - t0
+    if ext is None:
+        raise SystemExit(f"anyprec kernel unavailable: {build.unavailable_reason('anyprec')}")
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    widths = [int(v) for v in args.bits.split(",")]
+    batches = [int(v) for v in args.batches.split(",")]
+    res = {"info": {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2,
+                    "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit(),
+                    "date": time.strftime("%Y-%m-%d"), "build_or_load_s": round(build_s, 1),
+                    "passes": args.passes},
+           "rows": []}
+    print(f"# {props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MiB, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}; extension ready in {build_s:.1f} s", flush=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    for rows, cols in shapes:
+        t_shape = time.perf_counter()
+        parent = Parent(rows, cols, copies_for(3 * rows * cols // 8, l2))
+        weights = [torch.randn(rows, cols, device="cuda").half() for _ in range(copies_for(2 * rows * cols, l2))]
+        for batch in batches:
+            x = torch.randn(batch, 32 * parent.words, device="cuda").half()
+            out = torch.empty(batch, rows, dtype=torch.float16, device="cuda")
+            t_fp16 = graph_time([lambda w=w: torch.mm(x, w.t(), out=out) for w in weights])
+            fp16_gbs = (2 * rows * cols + 2 * batch * (rows + cols)) / t_fp16 / 1e9
+            for bits in widths:
+                cands = instances(ext, bits, rows, batch, device)
+                unique = sorted(set(cands.values()))
+                times = {inst: [] for inst in unique}
+                for p in range(args.passes):
+                    order = unique if p % 2 == 0 else unique[::-1]
+                    for flags, tiles in order:
+                        calls = []
+                        for planes, luts in zip(parent.planes, parent.luts):
+                            lut = luts[bits]
+                            calls.append(lambda planes=planes, lut=lut, f=flags, t=tiles, k=bits, w=parent.words:
+                                         ext.matvec(x, planes, lut, k, w, None, out, f, t))
+                        times[(flags, tiles)].append(graph_time(calls))
+                nbytes = parent.bytes_read(bits, batch)
+                entry = {"shape": [rows, cols], "batch": batch, "bits": bits, "cublas_us": t_fp16 * 1e6,
+                         "cublas_gbs": fp16_gbs, "bytes_read": nbytes, "candidates": {}}
+                for name, inst in cands.items():
+                    best = min(times[inst])
+                    gbs = nbytes / best / 1e9
+                    entry["candidates"][name] = {"flags": inst[0], "tiles": inst[1], "us": best * 1e6,
+                                                 "us_passes": [t * 1e6 for t in times[inst]],
+                                                 "speedup": t_fp16 / best, "gbs": gbs, "frac_fp16_rate": gbs / fp16_gbs}
+                res["rows"].append(entry)
+        del parent, weights
+        torch.cuda.empty_cache()
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"# {rows}x{cols} done in {time.perf_counter() - t_shape:.1f} s", flush=True)
+
+    report(res)
+
+
+def report(res):
+    table = []
+    for r in res["rows"]:
+        c = r["candidates"]
+        today = c["today"]["us"]
+        best = min(c, key=lambda n: c[n]["us"])
+        b = c[best]
+        table.append([f"{r['shape'][0]}x{r['shape'][1]}", r["bits"], r["batch"], f"{r['cublas_us']:.1f}",
+                      f"{today:.1f}", f"{r['cublas_us'] / today:.2f}x", best, f"{b['us']:.1f}", f"{b['speedup']:.2f}x",
+                      f"{today / b['us']:.3f}", f"{b['gbs']:.0f}", f"{b['frac_fp16_rate']:.2f}"])
+    print("\n## cuBLAS fp16, today's kernel and the fastest candidate (us per call; GB/s of bytes read)")
+    print(fmt_table(["MxN", "bits", "batch", "cuBLAS", "today", "today x", "best", "us", "best x", "gain",
+                     "GB/s", "of fp16"], table))
+
+
+if __name__ == "__main__":
+    main()

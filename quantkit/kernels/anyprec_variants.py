@@ -11,9 +11,19 @@ shape; batches 2..7 take it only where batch 1 and batch 8 chose the same one. E
 """
 
 # SOURCES: the benchmark runs each GPU's entry came from (device, date, commit of the run)
-SOURCES = {}
+SOURCES = {'H100': {'commit': '1ed0dc2', 'date': '2026-11-27', 'device': 'NVIDIA H100 80GB HBM3'}}
 
-CHOICES = {}
+CHOICES = {'H100': {4: {1: 'pair_occ_t1'},
+          5: {1: 'pair_t1'},
+          7: {1: 'pair_occ_t1', 8: 'pair_occ'},
+          8: {1: 'pair_occ_t1',
+              2: 'pair_occ_t1',
+              3: 'pair_occ_t1',
+              4: 'pair_occ_t1',
+              5: 'pair_occ_t1',
+              6: 'pair_occ_t1',
+              7: 'pair_occ_t1',
+              8: 'pair_occ_t1'}}}
 
 
 def choice(device_name, bits, batch):

@@ -19,6 +19,7 @@
 
 #include "anyprec_dequant_kernel.cuh"
 #include "anyprec_launch.cuh"
+#include "anyprec_rows.cuh"
 
 namespace anyprec {
 
@@ -26,12 +27,17 @@ namespace anyprec {
 // launchers
 
 bool has_matvec(int dtype, int k, int tiles, int flags) {
-  return (dtype == 0 || dtype == 1) && compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
+  if (dtype != 0 && dtype != 1) return false;
+  if (flags & FLAG_ROWS) return rows_rule(k, tiles, normalize_flags(k, flags));
+  return compiled_rule(dtype == 0, k, tiles, normalize_flags(k, flags));
 }
 
 // The variants of the shared-memory-table widths (flags with FLAG_PAIR), compiled in anyprec_variants.cu so
 // that the two units build in parallel.
 int launch_matvec_variant(int dtype, int k, int tiles, int flags, const MatvecArgs& a, const Launch& on);
+
+// The row-per-lane kernel (FLAG_ROWS, anyprec_rows.cu); `split` = the op's tiles.
+int launch_matvec_rows(int dtype, int k, int split, int flags, const MatvecArgs& a, const Launch& on);
 
 template <typename T, int TILES>
 int launch_flags(int k, int flags, const MatvecArgs& a, const Launch& s) {
@@ -54,6 +60,7 @@ int launch_matvec(int dtype, int k, int tiles, int flags, const MatvecArgs& args
     return kBadArgs;
   if (!has_matvec(dtype, k, tiles, flags)) return kUnsupported;
   flags = normalize_flags(k, flags);
+  if (flags & FLAG_ROWS) return launch_matvec_rows(dtype, k, tiles, flags, a, on);
   if (flags & FLAG_PAIR) return launch_matvec_variant(dtype, k, tiles, flags, a, on);
   if (tiles == 1) return dtype == 0 ? launch_flags<__half, 1>(k, flags, a, on) : launch_flags<__nv_bfloat16, 1>(k, flags, a, on);
   return dtype == 0 ? launch_flags<__half, 2>(k, flags, a, on) : launch_flags<__nv_bfloat16, 2>(k, flags, a, on);
@@ -96,18 +103,25 @@ std::string status_text(int rc) {
   }
 }
 
-void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, int64_t words) {
-  QK_CHECK(planes.is_cuda() && planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),
-              "anyprec: planes must be a contiguous CUDA int32 tensor [n, M, words], got ", planes.sizes(), " ",
-              planes.scalar_type(), planes.is_cuda() ? "" : " on CPU");
+// rows: the planes are in the rows layout (FLAG_ROWS, anyprec_gemm.rows_layout), int32 [n, G, words', 32] with
+// G = 2 * ceil(M / 64) for the lut's M rows; otherwise [n, M, words'].
+void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, int64_t words, bool rows = false) {
+  QK_CHECK(planes.is_cuda() && planes.scalar_type() == at::kInt && planes.dim() == (rows ? 4 : 3) &&
+               planes.is_contiguous(),
+           "anyprec: planes must be a contiguous CUDA int32 tensor ", rows ? "[n, G, words, 32] (rows layout)" : "[n, M, words]",
+           ", got ", planes.sizes(), " ", planes.scalar_type(), planes.is_cuda() ? "" : " on CPU");
   QK_CHECK(k >= 1 && k <= 8 && k <= planes.size(0), "anyprec: bits=", k, " needs 1..8 and at most the ",
               planes.size(0), " stored planes");
   QK_CHECK(words >= 1 && words <= planes.size(2), "anyprec: words=", words, " but planes hold ", planes.size(2),
               " words per row");
+  const int64_t M = rows ? lut.size(0) : planes.size(1);
   QK_CHECK(lut.is_cuda() && lut.scalar_type() == at::kHalf && lut.dim() == 2 && lut.is_contiguous() &&
-                  lut.size(0) == planes.size(1) && lut.size(1) == (int64_t(1) << k),
-              "anyprec: lut must be a contiguous CUDA fp16 tensor [", planes.size(1), ", ", int64_t(1) << k,
+                  lut.size(0) == M && lut.size(1) == (int64_t(1) << k),
+              "anyprec: lut must be a contiguous CUDA fp16 tensor [", M, ", ", int64_t(1) << k,
               "] for bits=", k, ", got ", lut.sizes(), " ", lut.scalar_type());
+  if (rows)
+    QK_CHECK(planes.size(1) == 2 * ((M + 63) / 64) && planes.size(3) == 32, "anyprec: rows-layout planes ",
+             planes.sizes(), " do not hold the lut's ", M, " rows as [n, 2 * ceil(M / 64), words, 32]");
   QK_CHECK(lut.device() == planes.device(), "anyprec: lut on ", lut.device(), " but planes on ", planes.device());
   QK_CHECK(planes.size(1) <= INT32_MAX && planes.size(2) <= INT32_MAX, "anyprec: planes too large");
 }
@@ -116,23 +130,29 @@ void check_planes(const at::Tensor& planes, const at::Tensor& lut, int64_t k, in
 
 // out[b, r] = sum_c x[b, c] * lut[r, code_k(r, c)] (+ bias[r]); x [B <= 8, ldx] holds at least
 // 32 * words columns, zero past in_features; planes in the layout `flags` says (LAYOUT bit set:
-// anyprec_gemm.kernel_layout). overlap: programmatic dependent launch on sm_90+ (grid_dependency.h).
+// anyprec_gemm.kernel_layout; FLAG_ROWS: anyprec_gemm.rows_layout, with tiles = the blocks that split a 64-row
+// block's words). overlap: programmatic dependent launch on sm_90+ (grid_dependency.h).
 // Returns out.
 at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& lut, int64_t k,
                           int64_t words, const std::optional<at::Tensor>& bias, const at::Tensor& out, int64_t flags,
                           int64_t tiles, bool overlap) {
-  check_planes(planes, lut, k, words);
+  const bool rows = (flags & anyprec::FLAG_ROWS) != 0;
+  check_planes(planes, lut, k, words, rows);
   const int dt = dtype_code(x);
   QK_CHECK(x.is_cuda() && (dt == 0 || dt == 1) && x.dim() == 2 && x.is_contiguous(),
               "anyprec.matvec: x must be a contiguous CUDA fp16/bf16 tensor [B, columns], got ", x.sizes(), " ",
               x.scalar_type());
   QK_CHECK(x.device() == planes.device(), "anyprec.matvec: x on ", x.device(), " but planes on ", planes.device());
-  const int64_t B = x.size(0), M = planes.size(1);
+  const int64_t B = x.size(0), M = rows ? lut.size(0) : planes.size(1);
+  const int64_t stored_rows = rows ? 32 * planes.size(1) : M;  // the rows layout pads to whole 64-row blocks
   QK_CHECK(B >= 1 && B <= anyprec::kMaxBatch, "anyprec.matvec: batch ", B, " outside 1..", anyprec::kMaxBatch);
   QK_CHECK(x.size(1) >= 32 * words && x.size(1) % 4 == 0,
               "anyprec.matvec: x has ", x.size(1), " columns; needs >= 32 * words = ", 32 * words,
               " and a multiple of 4 (pad in_features to whole words)");
   QK_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0, "anyprec.matvec: x must be 8-byte aligned");
+  QK_CHECK(!rows || (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.size(1) % 8 == 0),
+           "anyprec.matvec: the rows kernel reads x in 16-byte vectors: x must be 16-byte aligned with a multiple of 8 "
+           "columns, got ", x.size(1));
   QK_CHECK(planes.size(2) % 4 == 0, "anyprec.matvec: planes have ", planes.size(2),
               " words per row; the kernel reads 16-byte vectors and needs a multiple of 4 (use kernel_layout)");
   QK_CHECK(out.is_cuda() && out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
@@ -151,7 +171,8 @@ at::Tensor anyprec_matvec(const at::Tensor& x, const at::Tensor& planes, const a
   QK_CHECK(anyprec::has_matvec(dt, int(k), int(tiles), int(flags)), "anyprec.matvec: no kernel built for dtype=",
               x.scalar_type(), " bits=", k, " tiles=", tiles, " flags=", flags);
   QK_CHECK(x.size(1) <= INT32_MAX / 2, "anyprec.matvec: x row too long");
-  QK_CHECK(k * M * planes.size(2) <= INT32_MAX, "anyprec.matvec: the top ", k, " planes hold ", k * M * planes.size(2),
+  QK_CHECK(k * stored_rows * planes.size(2) <= INT32_MAX, "anyprec.matvec: the top ", k, " planes hold ",
+           k * stored_rows * planes.size(2),
            " words; the kernel's 32-bit offsets need fewer than 2^31 (split the layer)");
   QK_CHECK(reinterpret_cast<uintptr_t>(planes.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(lut.data_ptr()) % 16 == 0,
            "anyprec.matvec: planes and lut must be 16-byte aligned");

@@ -27,6 +27,10 @@ constexpr int FLAG_LAYOUT = 1, FLAG_IBT = 2, FLAG_TLM = 4;
 // tables of rows g and g + 8 into one 32-bit word (half the table bytes, so a deeper ring or more resident
 // blocks), FLAG_OCC sizes registers and shared memory for one more resident block per SM.
 constexpr int FLAG_PAIR = 8, FLAG_OCC = 16;
+// The row-per-lane kernel of widths 4..8 (anyprec_rows.cuh): every lane owns whole rows, so one unreplicated
+// table per row is read without bank conflicts; it reads the planes in the rows layout (anyprec_gemm.rows_layout).
+// FLAG_OCC sizes it for one more resident block as well.
+constexpr int FLAG_ROWS = 32;
 
 enum Status { kOk = 0, kUnsupported = 1, kBadArgs = 2, kLaunchFailed = 3 };
 

@@ -37,3 +37,9 @@
 
 // The ring's shape (Config::PIECES, Config::STAGES) follows from the shared memory left per block; an A/B
 // build may force it with -DAP_PIECES=1|2|4 and -DAP_STAGES=n (no default here: unset = derived).
+
+// Ring steps per warp of the row-per-lane kernel (anyprec_rows.cuh), at most: fewer where the shared memory of
+// its resident blocks leaves less room.
+#ifndef AP_ROWS_STAGES
+#define AP_ROWS_STAGES 4  // not yet measured against other depths
+#endif

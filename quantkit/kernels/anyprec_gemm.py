@@ -33,6 +33,10 @@ ALL_FLAGS = FLAG_LAYOUT | FLAG_IBT | FLAG_TLM
 # variants of the shared-memory-table widths k >= 4 (kernels/anyprec_bits.cuh): tables of two rows per word,
 # one more resident block per SM
 FLAG_PAIR, FLAG_OCC = 8, 16
+# the row-per-lane kernel of widths 4..8 (kernels/anyprec_rows.cuh): planes in the rows layout (rows_layout), its
+# `tiles` = the blocks of a cluster that split a 64-row block's words (rows_split)
+FLAG_ROWS = 32
+ROWS_MAX_SPLIT = 8
 MAX_BATCH = 8  # rows of x per matvec launch
 
 # The instances a (width, batch) may be served by, by name: (flags, tiles), tiles None = choose_tiles.
@@ -44,6 +48,9 @@ CANDIDATES = {
     "pair_occ": (ALL_FLAGS | FLAG_PAIR | FLAG_OCC, None),
     "pair_t1": (ALL_FLAGS | FLAG_PAIR, 1),
     "pair_occ_t1": (ALL_FLAGS | FLAG_PAIR | FLAG_OCC, 1),
+    "rows": (ALL_FLAGS | FLAG_ROWS, None),
+    "rows_occ": (ALL_FLAGS | FLAG_ROWS | FLAG_OCC, None),
+    "rows_s1": (ALL_FLAGS | FLAG_ROWS, 1),
 }
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before
@@ -88,6 +95,47 @@ def kernel_layout(planes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_PREMERGE_MASKS = [[((0x11111111 << ((p + q) % 32)) | (0x11111111 >> (32 - (p + q) % 32))) & 0xFFFFFFFF
+                    for q in range(4)] for p in range(4)]
+
+
+def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
+    """The planes as the row-per-lane kernel (FLAG_ROWS) reads them, from kernel_layout's:
+    int32 [n, G, W', 32], G = 2 * ceil(M / 64), word w of row 32 * grp + l at [p, grp, w, l] (rows past M zero).
+
+    Planes 4.. are kernel_layout's words; the top four (n >= 4 needed) are stored merged, slot p < 4 holding
+    U_p = OR_q (plane q & rotl(0x11111111, p + q)), the bits of planes 0..3 that the kernel's merged words p and
+    p + 4 take (kernels/anyprec_rows.cuh rows_premerged): every width 4..8 reads all four, so the kernel skips
+    three selects per merged word. The same copy serves widths 4..n.
+    """
+    n, rows, words = kplanes.shape
+    if n < 4:
+        raise ValueError(f"rows_layout needs at least 4 planes, got {n}")
+    groups = 2 * -(-rows // 64)
+    src = kplanes.to(torch.int64) & 0xFFFFFFFF
+    merged = []
+    for p in range(4):
+        u = torch.zeros_like(src[0])
+        for q in range(4):
+            u |= src[q] & _PREMERGE_MASKS[p][q]
+        merged.append(u)
+    full = torch.cat([torch.stack(merged), src[4:]])
+    full = torch.where(full >= 2**31, full - 2**32, full).to(torch.int32)
+    out = torch.zeros(n, groups * 32, words, dtype=torch.int32, device=kplanes.device)
+    out[:, :rows] = full
+    return out.view(n, groups, 32, words).transpose(2, 3).contiguous()
+
+
+def _rows_planes_of(kplanes: torch.Tensor) -> torch.Tensor:
+    """rows_layout(kplanes), made once per buffer version and kept on the tensor itself (freed with it)."""
+    key = (kplanes.data_ptr(), kplanes._version, tuple(kplanes.shape))
+    cached = getattr(kplanes, "_anyprec_rows_planes", None)
+    if cached is None or cached[0] != key:
+        cached = (key, rows_layout(kplanes))
+        kplanes._anyprec_rows_planes = cached
+    return cached[1]
+
+
 def prepared_planes(module) -> torch.Tensor:
     """module.planes in the kernel layout, made once per device and buffer version."""
     planes = module.planes
@@ -124,15 +172,30 @@ def choose_tiles(bits, rows_out, batch, device, ext, flags=ALL_FLAGS):
     return 1
 
 
+def rows_split(rows_out, words, device):
+    """Blocks (one thread-block cluster) that split each 64-row block's words in the row-per-lane kernel: 1 where
+    the 64-row blocks alone fill every SM twice, else enough for that (at most ROWS_MAX_SPLIT), and never
+    fewer than 16 words per block. Clusters need sm_90: 1 elsewhere."""
+    index = _device_index(device)
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return 1
+    blocks = -(-rows_out // 64)
+    split = -(-2 * _sm_counts[index] // blocks)
+    return max(1, min(ROWS_MAX_SPLIT, split, words // 16))
+
+
 _gpu_names = {}
 _variant_cache = {}
 
 
-def choose_variant(bits, rows_out, batch, device, dtype, ext):
+def choose_variant(bits, rows_out, batch, device, dtype, ext, words=None):
     """(flags, tiles) of the instance serving `batch` rows of x at `bits` on `device`: the candidate
-    anyprec_variants.CHOICES names for this GPU, width and batch when it is built, else today's kernel."""
+    anyprec_variants.CHOICES names for this GPU, width and batch when it is built, else today's kernel.
+    words (ceil(in_features / 32)) bounds the row-per-lane kernel's split (rows_split)."""
     index = _device_index(device)
-    key = (index, bits, rows_out, batch, dtype)
+    key = (index, bits, rows_out, batch, dtype, words)
     chosen = _variant_cache.get(key)
     if chosen is None:
         if index not in _gpu_names:
@@ -141,19 +204,29 @@ def choose_variant(bits, rows_out, batch, device, dtype, ext):
         if not ext.has_matvec(dtype, bits, 1, flags):
             flags, tiles = CANDIDATES["today"]
         if tiles is None:
-            tiles = choose_tiles(bits, rows_out, batch, device, ext, flags)
+            tiles = default_tiles(flags, bits, rows_out, words, batch, device, ext)
         chosen = _variant_cache[key] = (flags, tiles)
     return chosen
+
+
+def default_tiles(flags, bits, rows_out, words, batch, device, ext):
+    """`tiles` of an instance when the caller names none: the rows split for FLAG_ROWS, choose_tiles for the
+    other kernels with all three optimisations, else 1."""
+    if flags & FLAG_ROWS:
+        return rows_split(rows_out, words if words is not None else 2**30, device)
+    if (flags & ALL_FLAGS) == ALL_FLAGS:
+        return choose_tiles(bits, rows_out, batch, device, ext, flags)
+    return 1
 
 
 def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, out=None, ext=None,
            overlapped=False):
     """y [rows, M] = x2 [rows, in_features] @ W_bits^T (+ bias), in x2.dtype (fp16 / bf16).
 
-    planes: kernel_layout(...) when flags has FLAG_LAYOUT, else the stored planes (their word count
-    must then be a multiple of 4). lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
-    flags None: the instance choose_variant picks for each launch's rows (the kernel layout); tiles None:
-    choose_tiles for flags with all three optimisations, else 1.
+    planes: kernel_layout(...) when flags is None or has FLAG_LAYOUT, else the stored planes (their word count
+    must then be a multiple of 4); for FLAG_ROWS rows_layout(...), or kernel_layout(...), whose rows layout is
+    then made once and kept with it. lut: fp16 [M, 2^bits]. words = ceil(in_features / 32).
+    flags None: the instance choose_variant picks for each launch's rows; tiles None: default_tiles.
     overlapped: launch with overlap (kernels/overlap.py; planes and lut must not be written by the
     kernels just before).
     """
@@ -168,11 +241,12 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, o
         batch = min(MAX_BATCH, rows - start)
         f, t = flags, tiles
         if f is None:
-            f, auto_tiles = choose_variant(bits, lut.shape[0], batch, x2.device, x2.dtype, ext)
+            f, auto_tiles = choose_variant(bits, lut.shape[0], batch, x2.device, x2.dtype, ext, words)
             t = auto_tiles if t is None else t
         elif t is None:
-            t = choose_tiles(bits, lut.shape[0], batch, x2.device, ext, f) if (f & ALL_FLAGS) == ALL_FLAGS else 1
-        ext.matvec(x2[start:start + MAX_BATCH], planes, lut, bits, words, bias,
+            t = default_tiles(f, bits, lut.shape[0], words, batch, x2.device, ext)
+        p = _rows_planes_of(planes) if f & FLAG_ROWS and planes.dim() == 3 else planes
+        ext.matvec(x2[start:start + MAX_BATCH], p, lut, bits, words, bias,
                    out[start:start + MAX_BATCH], f, t, overlapped)
     return out
 

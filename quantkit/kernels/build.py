@@ -34,7 +34,7 @@ SOURCE_DIR = PACKAGED_SOURCES if PACKAGED_SOURCES.is_dir() else CHECKOUT_SOURCES
 # not listed here builds <name>.cu and <name>.cpp where they exist.
 SOURCES = {
     "lutgemm": ("lutgemm.cu", "lutgemm.cpp"),
-    "anyprec": ("anyprec.cu", "anyprec_variants.cu", "anyprec.cpp"),
+    "anyprec": ("anyprec.cu", "anyprec_variants.cu", "anyprec_rows.cu", "anyprec.cpp"),
     "gptq": ("gptq.cu", "gptq.cpp"),
 }
 CPU_SOURCES = {"anyprec_cpu": ("anyprec_cpu.cpp",)}

@@ -1,0 +1,195 @@
+// The row-per-lane any-precision matvec (FLAG_ROWS, widths 4..8): configuration, table, decode and the
+// index maps of its fragments. Host-compilable: the CPU decode harness (tests/test_kernel_anyprec.py) runs
+// this code; anyprec_rows.cu holds the kernel around it.
+//
+// Why: the shared-memory-table kernel (anyprec_matvec_kernel.cuh) gives lane (g, t) rows g and g + 8 of a
+// 16-row tile, four lanes to a row, so each row's table is replicated four times to keep the lookups
+// conflict-free (2^k x 16 bytes per row, 64 KB per 16-row tile at k = 8): the tables bound the resident
+// blocks and the ring's depth, and are refilled for every 16 rows. Here every lane owns whole rows:
+//
+//   block = 64 rows (two 32-row groups), 8 warps splitting the words of those rows (word w of the block's
+//   column range goes to warp w % 8); lane l owns rows l and 32 + l of the block.
+//   table: word v * 32 + l holds the centroids of code bitrev(v) of row l (low half) and row 32 + l (high
+//   half): one unreplicated table, 2^k x 2 bytes per row, and the 32 lanes of a lookup always read 32
+//   different banks.
+//   planes: the rows layout (anyprec_gemm.rows_layout), int32 [n, G, Wp, 32] with G = 2 * ceil(M / 64):
+//   word w of row 32 * grp + l of "plane" p at ((p * G + grp) * Wp + w) * 32 + l. Planes 4..n-1 are the
+//   kernel layout's words (LAYOUT: rotated by p, columns permuted by pi); the top four, which every width
+//   here reads, are stored already merged: slot p < 4 holds U_p, the bits of planes 0..3 that merged words
+//   j = p and j = p + 4 take (rows_merge), so a merged word costs k - 4 selects instead of k - 1 (k = 4:
+//   none). A warp step (one word of 64 rows and k planes) is 2k whole 128-byte lines, copied with 16-byte
+//   cp.async into a per-warp ring that keeps that order, so lane l reads its words from bank l.
+//
+// The mma (m16n8k16) with the weights as B and x as A: lane (g, t) holds B[2t, 2t+1][g] and B[2t+8, 2t+9][g],
+// here four weights of its own row at the four columns c0..c3 of a merged word (codes of slots j, 8 + j,
+// 16 + j, 24 + j: columns pi(j), pi(j) + 1, pi(j) + 16, pi(j) + 17). Row m = 4b + t' of A holds x[b] at the
+// k-slots of lanes with t = t' and zeros elsewhere, so D[4b + t'][n] is the dot product of batch row b
+// with the row of lane 4n + t': one mma serves 32 rows x 4 columns x 4 batch rows, two serve batch 8. Only
+// the 8 lanes with t = g % 4 hold non-zero A fragments; the others pass zeros.
+#pragma once
+
+#include "anyprec_decode.cuh"
+
+namespace anyprec {
+
+// NB: the largest batch an instance serves, 2, 4 or 8 (A fragments a1 / a3 carry batch rows 2, 3 and a second
+// mma per row half batch rows 4..7).
+template <int K, int NB, int FLAGS>
+struct RowsConfig {
+  static_assert(K >= 4 && K <= 8, "the row-per-lane kernel serves widths 4..8");
+  static_assert(NB == 2 || NB == 4 || NB == 8, "batch classes 2, 4 and 8");
+  static constexpr int NBG = NB == 8 ? 2 : 1;  // mma per row half and merged word
+  static constexpr int WARPS = 8, THREADS = WARPS * 32, ROWS = 64;
+  static constexpr uint32_t MASK = (1u << K) - 1;
+  static constexpr int TABLE_WORDS = (1 << K) * 32;
+  static constexpr int LINES = 2 * K;  // 128-byte lines per warp step: (plane, group)
+  static constexpr int STEP_BYTES = LINES * 128;
+  static constexpr int CHUNKS = LINES * 8;  // 16-byte copies per warp step
+  static constexpr int MIN_BLOCKS = (K >= 7 ? 2 : 3) + ((FLAGS & FLAG_OCC) ? 1 : 0);
+  // shared memory per block: the table (static), the ring (dynamic; the partial sums reuse it at the end)
+  static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - TABLE_WORDS * 4;
+  static constexpr int STAGES_FIT = RING_ROOM / (WARPS * STEP_BYTES);
+  static constexpr int STAGES = STAGES_FIT >= AP_ROWS_STAGES ? AP_ROWS_STAGES : STAGES_FIT;
+  static_assert(STAGES >= 2, "the ring needs two steps");
+  static constexpr int WARP_RING_BYTES = STAGES * STEP_BYTES;
+  static constexpr int RING_BYTES = WARPS * WARP_RING_BYTES;
+  static constexpr int RED_BYTES = WARPS * 2 * NBG * 32 * 16;
+  static constexpr int DYN_BYTES = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
+  static_assert(TABLE_WORDS >= ROWS * 8, "the partial sums of a cluster reuse the table");
+};
+
+// Item i of the table fill of the block starting at row0: lane l = i % 32 and entries 8c..8c+7 (c = i / 32)
+// of rows row0 + l and row0 + 32 + l, read as 16 bytes each (zeros past M), stored as 8 words at
+// bitrev(v) * 32 + l (entry v of the stored order is code bitrev(v) of the table). Items: 2^K / 8 * 32.
+template <int K, typename T, typename Store>
+AP_HD void rows_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& store) {
+  const int l = i & 31, c = i >> 5;
+  uint16_t lo[8] = {}, hi[8] = {};
+  const int ra = row0 + l, rb = row0 + 32 + l;
+#ifdef __CUDA_ARCH__
+  if (ra < M) *reinterpret_cast<uint4*>(lo) = __ldg(reinterpret_cast<const uint4*>(lut + (size_t(ra) << K) + 8 * c));
+  if (rb < M) *reinterpret_cast<uint4*>(hi) = __ldg(reinterpret_cast<const uint4*>(lut + (size_t(rb) << K) + 8 * c));
+#else
+  if (ra < M) std::memcpy(lo, lut + (size_t(ra) << K) + 8 * c, 16);
+  if (rb < M) std::memcpy(hi, lut + (size_t(rb) << K) + 8 * c, 16);
+#endif
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    store(int(bitrev(8 * c + e, K)) * 32 + l, uint32_t(centroid_bits<T>(lo[e])) | (uint32_t(centroid_bits<T>(hi[e])) << 16));
+}
+
+// Batch rows of x this lane passes in batch group bg (NB = 8: bg = 1 adds 4): ra in a0 / a2, rb in a1 / a3, or -1
+// for none (zeros). Only the lanes with t = g % 4 pass any.
+AP_HD void rows_xrows(int lane, int bg, int B, int NB, int& ra, int& rb) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool owner = t == (g & 3);
+  const int ba = (g >> 2) + 4 * bg, bb = ba + 2;
+  ra = owner && ba < B ? ba : -1;
+  rb = NB >= 4 && owner && bb < B ? bb : -1;  // batch class 2: a1 / a3 stay zero, no loads
+}
+
+// x of one batch row at a word's 32 columns (xw 16-byte aligned) as 16 fp16x2 / bf16x2 words, or zeros where
+// the lane passes none: loaded once per word (4 x 16 bytes) for batch classes 2 and 4.
+template <typename T>
+AP_HD void rows_xword(const T* xw, bool on, uint32_t (&v)[16]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint4 u = make_uint4(0, 0, 0, 0);
+#ifdef __CUDA_ARCH__
+    if (on) u = __ldg(reinterpret_cast<const uint4*>(xw) + q);
+#else
+    if (on) std::memcpy(&u, xw + 8 * q, 16);
+#endif
+    v[4 * q] = u.x; v[4 * q + 1] = u.y; v[4 * q + 2] = u.z; v[4 * q + 3] = u.w;
+  }
+}
+
+// The A fragment pair of merged word j from rows_xword's words: columns pi(j), pi(j) + 1 and pi(j) + 16, + 17
+AP_HD void rows_afrag_of(const uint32_t (&v)[16], int j, uint32_t& a_lo, uint32_t& a_hi) {
+  a_lo = v[pi(j) >> 1];
+  a_hi = v[8 + (pi(j) >> 1)];
+}
+
+// The A fragment of merged word j of word xw (x of one batch row at the word's 32 columns): the x pairs at
+// columns pi(j), pi(j) + 1 (a_lo) and pi(j) + 16, pi(j) + 17 (a_hi), or zeros where the lane passes none.
+template <typename T>
+AP_HD void rows_afrag(const T* xw, bool on, int j, uint32_t& a_lo, uint32_t& a_hi) {
+  const int c = pi(j);
+  a_lo = on ? ldx32(xw + c) : 0u;
+  a_hi = on ? ldx32(xw + c + 16) : 0u;
+}
+
+// The rows layout's U_p (p < 4) from the kernel layout's top four plane words P[0..3]: the bits at 4m + p + q
+// (m = 0..7) of plane q, i.e. the code bits of planes 0..3 that merged words p and p + 4 hold
+// (anyprec_gemm.rows_layout computes the same on the GPU).
+AP_HD uint32_t rows_premerged(const uint32_t (&P)[4], int p) {
+  uint32_t u = 0;
+  for (int q = 0; q < 4; ++q) u |= P[q] & rotl_c(0x11111111u, p + q);
+  return u;
+}
+
+// Merged word j (code of slot 8i + j at bits 8i + j .., plane p at bit 8i + j + p) from the rows layout's
+// words: U_{j mod 4} has planes 0..3 in place, planes 4..K-1 are selected in (bits past a code: garbage).
+// (a & m) | (b & ~m) as one LOP3 (left to itself the compiler splits the chain into and / or pairs)
+AP_HD uint32_t select_bits(uint32_t a, uint32_t m, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE2;" : "=r"(d) : "r"(a), "r"(m), "r"(b));
+  return d;
+#else
+  return (a & m) | (b & ~m);
+#endif
+}
+
+template <int K>
+AP_HD uint32_t rows_merge(const uint32_t (&R)[K], int j) {
+  uint32_t acc = R[j & 3];
+#pragma unroll
+  for (int p = 4; p < K; ++p) acc = select_bits(R[p], rotl_c(0x01010101u, j + p), acc);
+  return acc;
+}
+
+// Decode one word of this lane's two rows (R[h][p] = rows-layout word p of row 32h + lane) and hand the B fragments of
+// each merged word j (b[h][0] = columns c0, c1, b[h][1] = c2, c3 of row 32h + lane) to mma(j, b).
+// lookup(byte offset) reads the table word at that offset; lane4 = lane * 4.
+template <int K, typename Lookup, typename Mma>
+AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow2& p2, Lookup&& lookup, Mma&& mma) {
+  constexpr uint32_t MASK = (1u << K) - 1;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t b[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // code of slot 8i + j at bits 8i + j .. 8i + j + K - 1 (plane p at bit 8i + j + p)
+      const uint32_t merged = rows_merge<K>(R[h], j);
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = lookup((code_at_bit7<K>(merged, 8 * i + j, p2) & (MASK << 7)) | lane4);
+      const uint32_t sel = h == 0 ? 0x5410u : 0x7632u;  // row l: low halves; row 32 + l: high halves
+      b[h][0] = prmt(w[0], w[1], sel);
+      b[h][1] = prmt(w[2], w[3], sel);
+    }
+    mma(j, b);
+  }
+}
+
+// Where the block's partial sum of (row 32h + l, batch b) sits: C-fragment element e of lane src_lane in the
+// accumulators of row half h and batch group b / 4.
+struct RowsSource { int src_lane, e; };
+AP_HD RowsSource rows_source(int l, int b) {
+  const int n = l >> 2, m = 4 * (b & 3) + (l & 3);  // D[m][n], m = 4 (b mod 4) + t', lane l = 4n + t'
+  return {4 * (m & 7) + (n >> 1), (n & 1) + 2 * (m >> 3)};
+}
+
+// the batch class of a launch (RowsConfig's NB)
+constexpr int rows_batch_class(int B) { return B <= 2 ? 2 : B <= 4 ? 4 : 8; }
+
+// Instances built: widths 4..8, fp16 and bf16, batch classes 2, 4, 8, with or without FLAG_OCC; `tiles`
+// carries the number of blocks (a thread-block cluster, sm_90) that split a 64-row block's words, 1..8.
+constexpr int kRowsMaxSplit = 8;
+constexpr bool rows_rule(int k, int split, int flags) {
+  return k >= 4 && k <= 8 && split >= 1 && split <= kRowsMaxSplit &&
+         (flags == (7 | FLAG_ROWS) || flags == (7 | FLAG_ROWS | FLAG_OCC));
+}
+
+}  // namespace anyprec

@@ -34,7 +34,8 @@ def choose(rows, tolerance, min_gain):
         by_case.setdefault((r["bits"], r["batch"]), []).append(r)
     chosen, evidence = {}, {}
     for (bits, batch), cases in sorted(by_case.items()):
-        names = set.intersection(*(set(r["candidates"]) for r in cases)) - {"today"}
+        # a candidate that failed to launch on any case is never chosen
+        names = set.intersection(*({n for n, v in r["candidates"].items() if "us" in v} for r in cases)) - {"today"}
         best, best_mean = None, 1.0 - min_gain
         for name in sorted(names):
             ratios = [r["candidates"][name]["us"] / r["candidates"]["today"]["us"] for r in cases]

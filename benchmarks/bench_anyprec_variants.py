@@ -108,6 +108,15 @@ def main():
             for bits in widths:
                 cands = instances(ext, bits, rows, parent.words, batch, device, names)
                 unique = sorted(set(cands.values()))
+                failed = {}  # an instance that refuses this launch is reported, not timed
+                for flags, tiles in unique:
+                    planes = (rows_planes if flags & ag.FLAG_ROWS else parent.planes)[0]
+                    try:
+                        ext.matvec(x, planes, parent.luts[0][bits], bits, parent.words, None, out, flags, tiles)
+                        torch.cuda.synchronize()
+                    except RuntimeError as exc:
+                        failed[(flags, tiles)] = str(exc).splitlines()[0]
+                unique = [inst for inst in unique if inst not in failed]
                 times = {inst: [] for inst in unique}
                 for p in range(args.passes):
                     order = unique if p % 2 == 0 else unique[::-1]
@@ -123,6 +132,9 @@ def main():
                 entry = {"shape": [rows, cols], "batch": batch, "bits": bits, "cublas_us": t_fp16 * 1e6,
                          "cublas_gbs": fp16_gbs, "bytes_read": nbytes, "candidates": {}}
                 for name, inst in cands.items():
+                    if inst in failed:
+                        entry["candidates"][name] = {"flags": inst[0], "tiles": inst[1], "error": failed[inst]}
+                        continue
                     best = min(times[inst])
                     gbs = nbytes / best / 1e9
                     entry["candidates"][name] = {"flags": inst[0], "tiles": inst[1], "us": best * 1e6,
@@ -141,7 +153,7 @@ def main():
 def report(res):
     table = []
     for r in res["rows"]:
-        c = r["candidates"]
+        c = {n: v for n, v in r["candidates"].items() if "us" in v}
         today = c["today"]["us"]
         best = min(c, key=lambda n: c[n]["us"])
         b = c[best]

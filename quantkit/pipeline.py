@@ -325,7 +325,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
                                                         field=calib_field, chat=calib_chat)
     _step(progress, f"loading the weights of {source.display}")
     model = load_model(source, dtype=torch_dtype)
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     check_finite_weights(model)
 
     module_stats, sensitivity_seconds = None, None

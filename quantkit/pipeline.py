@@ -20,6 +20,7 @@ from quantkit.eval import perplexity
 from quantkit.kernels.build import sources_digest
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, check_architecture, load_model, load_tokenizer, resolve_source
+from quantkit.models.loading import checkpoint_dtype
 from quantkit.settings import DEFAULT_NSAMPLES, DEFAULT_VAL_WINDOWS
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,25 @@ def resolve_device(device):
     return device
 
 
-def resolve_dtype(dtype, device):
-    """A torch.dtype from a dtype, its name ("float16", ...) or None (float16 on cuda, float32 on cpu)."""
+def resolve_dtype(dtype, device, native=None):
+    """The compute dtype: a torch.dtype, its name ("float16", ...), or None / "auto": on CUDA the
+    checkpoint's own dtype `native` when it is bfloat16 or float16 (a bf16-trained model can overflow
+    fp16 activations), else float16; float32 on the CPU (where fp16/bf16 matmuls are slow or emulated)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
-        return torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype in (None, "auto"):
+        if not device.startswith("cuda"):
+            return torch.float32
+        return native if native in (torch.float16, torch.bfloat16) else torch.float16
     if dtype not in DTYPES:
-        raise QuantkitError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
+        raise QuantkitError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def storage_dtype(native):
+    """The dtype of an artifact's unquantized tensors: bfloat16 for a bf16 checkpoint (fp16 could overflow
+    its values), else float16."""
+    return torch.bfloat16 if native == torch.bfloat16 else torch.float16
 
 
 def output_format(quantizer, fmt=None):
@@ -285,7 +296,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     out = Path(out)
     check_out_dir(out, overwrite)
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    resolve_dtype(dtype, device)  # an unknown name is refused before anything else
     job = _Job(out, device, resume=resume, checkpoint=checkpoint, offload_activations=offload_activations,
                overwrite=overwrite)
     device = job.device
@@ -307,6 +318,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     size = estimated_bytes(source, quantizer)
     check_output_location(out, source.path if source.kind == "hf_dir" else None, size)
     max_positions = check_architecture(source)
+    native_dtype = checkpoint_dtype(source)
+    torch_dtype = resolve_dtype(dtype, device, native_dtype)
     if nsamples and max_positions and seqlen > max_positions:
         raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
     if ensemble and is_calibration_file(calib):
@@ -367,8 +380,12 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["use_cache"] = True
+    if native_dtype is not None:  # the checkpoint's own dtype, not the one the engine computed in
+        config["dtype"] = str(native_dtype).replace("torch.", "")
+    floats = storage_dtype(native_dtype)
     job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
-                                     float_tensors=float_tensors(model, qtensors), quantization_config=quant_config,
+                                     float_tensors=float_tensors(model, qtensors, floats),
+                                     quantization_config=quant_config,
                                      quant_log=quant_log, overwrite=overwrite))
     summary["out"] = str(out)
     return summary
@@ -380,8 +397,8 @@ def load_for_eval(src, device="cpu", dtype=None, verify=True, bits=None):
     from quantkit.runtime import load_quantized
 
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(src)
+    torch_dtype = resolve_dtype(dtype, device, checkpoint_dtype(source))
     tokenizer = load_tokenizer(source)
     if source.kind == "artifact":
         model = load_quantized(source.path, device=device, dtype=torch_dtype, verify=verify, bits=bits)

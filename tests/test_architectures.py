@@ -295,3 +295,46 @@ def test_transformers_from_pretrained_equals_quantkit_load(arch, checkpoints, sm
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+# --- the checkpoint's own dtype -----------------------------------------------------------------
+
+def test_compute_dtype_follows_the_checkpoint():
+    from quantkit.errors import QuantkitError
+    from quantkit.pipeline import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda", torch.bfloat16) == torch.bfloat16  # no fp16 overflow for bf16 models
+    assert resolve_dtype(None, "cuda:1", torch.float16) == torch.float16
+    assert resolve_dtype("auto", "cuda", torch.float32) == torch.float16
+    assert resolve_dtype("auto", "cuda", None) == torch.float16  # GGUF: the config does not say
+    assert resolve_dtype("auto", "cpu", torch.bfloat16) == torch.float32
+    assert resolve_dtype("bfloat16", "cpu", torch.float32) == torch.bfloat16
+    with pytest.raises(QuantkitError, match="unknown dtype 'half'"):
+        resolve_dtype("half", "cpu")
+
+
+def test_bf16_checkpoint_keeps_its_dtype(tiny_tokenizer, small_data, tmp_path):
+    """A bf16 checkpoint: computed in fp32 on the CPU unless asked, in bf16 when asked; either way the
+    artifact says bfloat16, stores its unquantized tensors in bf16, and serves bf16 activations."""
+    from safetensors import safe_open
+
+    model = tiny_causal_lm("qwen3", vocab=len(tiny_tokenizer), max_positions=256, seed=3).to(torch.bfloat16)
+    src = save_tiny(model, tiny_tokenizer, tmp_path / "bf16")
+    for dtype, computed in (("auto", "float32"), ("bfloat16", "bfloat16")):
+        out = tmp_path / f"art-{dtype}"
+        result = CliRunner().invoke(main, ["quantize", "--model", str(src), "--out", str(out), "--method", "gptq",
+                                           "--bits", "4", "--group-size", "32", "--calib", "ptb", "--nsamples", "2",
+                                           "--seqlen", "32", "--data-dir", str(small_data), "--device", "cpu",
+                                           "--dtype", dtype, "--no-checkpoint"])
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "quant_log.json").read_text())["dtype"] == computed
+        assert read_config(out)["dtype"] == "bfloat16"
+        with safe_open(str(out / "model.safetensors"), "pt") as fh:
+            assert fh.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    served = load_quantized(out, dtype=torch.bfloat16)
+    exact = load_quantized(out, dtype=torch.float32)
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        low, high = served(ids).logits, exact(ids).logits
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    assert (low.float() - high).abs().max() < 0.05 * high.abs().max()

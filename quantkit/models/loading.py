@@ -127,6 +127,30 @@ def check_architecture(source: Source):
     return getattr(config, "max_position_embeddings", None)
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(source: Source):
+    """The dtype the checkpoint was saved in (config.json `dtype`, `torch_dtype` before transformers 5),
+    or None where the config does not say (GGUF files, old configs)."""
+    if source.kind in ("hf_dir", "artifact"):
+        try:
+            config = json.loads((Path(source.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    elif source.kind == "hub":
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(source.path).to_dict()
+        except Exception:  # noqa: BLE001 - unreadable configs are reported by check_architecture / the loader
+            return None
+    else:
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _DTYPE_NAMES.get(str(name).replace("torch.", ""))
+
+
 def load_tokenizer(source: Source):
     from transformers import AutoTokenizer
 

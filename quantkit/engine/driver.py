@@ -310,7 +310,7 @@ class _ExpertCalibration:
 
 @torch.no_grad()
 def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None, *,
-                   checkpoint=None, offload_activations=False, ranks=None):
+                   checkpoint=None, offload_activations=False, ranks=None, blocks=None):
     """Quantize every linear the adapter finds in `model`'s decoder blocks, in place (weights replaced
     by their dequantized values; fused MoE experts are first split into one linear per expert matrix,
     runtime.experts). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
@@ -318,6 +318,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     statistics of that module. `checkpoint`: a prepared engine.checkpoint.LayerCheckpoint; layers
     it has recorded are restored, not recomputed. `offload_activations`: keep the calibration
     activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone).
+    `blocks`: a models.lazy.LazyBlocks when the blocks of `model` are on the meta device, each read when
+    its turn comes and released once its quantized tensors are taken.
 
     With calibration each block's plan (models.adapters: groups of linears that read one input, in the
     order they run) is learned from one forward of the first block of its kind, on its first window."""
@@ -329,10 +331,12 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         raise QuantkitError(f"--method {method.name} needs calibration data (--nsamples > 0)")
     qtensors, log_entries = {}, []
     first = 0
+    prefix = adapter.layers_path
     if checkpoint is not None:
         qtensors, log_entries = checkpoint.restore()
         first = checkpoint.layers_done
-    prefix = adapter.layers_path
+        for index in range(first if blocks is not None else 0):  # their float tensors go to the artifact too
+            blocks.load_floats(index, [n for n in qtensors if n.startswith(f"{prefix}.{index}.")])
     show = progress and ranks.is_main
     todo = range(first, len(layers))
     position = 0  # a running count of linears, the same on every rank: decides which rank quantizes one
@@ -345,6 +349,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
 
     if calib_ids is None:
         for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
+            if blocks is not None:
+                blocks.load(index)
             jobs = []
             for name, linear in adapter.linears(layers[index]).items():
                 jobs.append((position, f"{prefix}.{index}.{name}", linear, None))
@@ -352,6 +358,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
             done = _quantize_together(ranks, jobs, method, device)
             layer_q = {name: qtensor for (_, name, _, _), (qtensor, _) in zip(jobs, done)}
             finish_layer(index, layer_q, [entry for _, entry in done])
+            if blocks is not None:
+                blocks.release(index, layer_q)
         return qtensors, log_entries
 
     nwindows = calib_ids.shape[0]
@@ -367,6 +375,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     plans = {}
     for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
         layer = layers[index]
+        if blocks is not None:
+            blocks.load(index)
         layer.to(device)
         linears = adapter.linears(layer)
         block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks)
@@ -399,4 +409,6 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
             inputs = _run_layer(layer, inputs, *calls[index])
         layer.to("cpu")
         finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
+        if blocks is not None:
+            blocks.release(index, layer_q)
     return qtensors, log_entries

@@ -86,7 +86,7 @@ def causal_lm_class(config: dict) -> str:
                         "such as LlamaForCausalLM")
 
 
-def empty_model(config):
+def empty_model(config, dtype=None):
     """The causal LM of `config` with its parameters on the meta device (buffers such as rotary
     frequencies are computed for real): its structure, without reading or allocating any weight."""
     from accelerate import init_empty_weights
@@ -94,7 +94,7 @@ def empty_model(config):
 
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
     except Exception as exc:  # transformers raises many types for configs it cannot build
         raise QuantkitError(f"could not build a {config.model_type!r} model from its config: {exc}") from exc
     model.config.use_cache = False

@@ -20,9 +20,12 @@ Timings (seconds, from the run's summary and quant_log.json):
 The layer checkpoint (resume) is off unless --checkpoint: it writes each layer's next inputs to disk
 (128 × 2048 × 4096 bf16 = 2 GiB per layer).
 
-  python benchmarks/bench_quantize_7b.py --json $OUT/quantize_7b.json                 # ~7 min on one H100
+  python benchmarks/bench_quantize_7b.py --build-only                                 # ~1 min: the checkpoint
+  python benchmarks/bench_quantize_7b.py --json $OUT/quantize_7b.json                 # the run, one GPU
   python benchmarks/bench_quantize_7b.py --nproc 2 --json $OUT/quantize_7b_2gpu.json  # 2 GPUs, torchrun
-  python benchmarks/bench_quantize_7b.py --layers 2 --nsamples 8 --json $OUT/q.json   # a quick check
+  python benchmarks/bench_quantize_7b.py --layers 2 --nsamples 8 --workdir build/q2 --json $OUT/q.json  # a check
+The checkpoint (12.6 GiB) stays in --workdir (build/ is ignored by git) for the runs that follow on the same
+machine; building it in the same command as a full run may not fit a time limit of a few minutes.
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set for the workers unless already set).
 """
@@ -145,6 +148,9 @@ def driver(args):
     start = time.perf_counter()
     build_checkpoint(model, args.layers, args.nsamples * args.seqlen * 2, shape=TINY if args.tiny else None)
     build = time.perf_counter() - start
+    if args.build_only:
+        print(f"checkpoint written to {model} in {build:.0f} s")
+        return
     out = work / f"artifact-{args.nproc}gpu"
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -199,7 +205,9 @@ def main():
     ap.add_argument("--checkpoint", action="store_true", help="keep the per-layer resume checkpoint on")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 7B shape (smoke test)")
-    ap.add_argument("--workdir", default="/tmp/quantkit-7b")
+    ap.add_argument("--workdir", default="build/quantize-7b",
+                    help="where the checkpoint (reused when present) and the artifact go")
+    ap.add_argument("--build-only", action="store_true", help="write the checkpoint and stop")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)

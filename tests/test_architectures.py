@@ -18,7 +18,7 @@ from quantkit.engine import capture_layer_inputs
 from quantkit.engine.driver import _run_layer
 from quantkit.models import adapter_for
 from quantkit.models.adapters import observe_calls
-from quantkit.pipeline import quantize_checkpoint
+from quantkit.pipeline import evaluate_ppl, quantize_checkpoint
 from quantkit.runtime import QuantLinear, load_quantized
 from quantkit.runtime.experts import RoutedExperts, is_fused_experts, replace_fused_experts, routed_from_fused
 
@@ -85,7 +85,8 @@ def _dequantized_reference(src, artifact):
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 @pytest.mark.parametrize("arch", DENSE + MOE)
-def test_artifact_reloads_with_the_logits_of_its_dequantized_weights(arch, method, checkpoints, small_data, tmp_path):
+def test_artifact_reloads_with_the_logits_of_its_dequantized_weights(arch, method, checkpoints, small_data, data_dir,
+                                                                      tmp_path):
     src = checkpoints(arch)
     out = tmp_path / "art"
     summary = _quantize(src, out, method, small_data)
@@ -114,6 +115,9 @@ def test_artifact_reloads_with_the_logits_of_its_dequantized_weights(arch, metho
         log = json.loads((out / "quant_log.json").read_text())
         assert {e["module"] for e in log["modules"]} == expected
         assert all(e["output_mse"] >= 0 and e["gptq_loss"] >= 0 for e in log["modules"])
+        # and the artifact evaluates: the perplexity of its logits on the GPTQ protocol's windows
+        scores = evaluate_ppl(str(out), ["wikitext2"], seqlen=64, max_windows=2, data_dir=data_dir, progress=False)
+        assert scores[0]["windows"] == 2 and 1 < scores[0]["ppl"] < float("inf")
 
 
 # --- discovery ----------------------------------------------------------------------------------

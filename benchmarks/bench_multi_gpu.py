@@ -56,7 +56,7 @@ def worker(args):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    qtensors, entries = quantize_model(model, adapter_for(model.config), method, calib, device=device,
+    qtensors, entries = quantize_model(model, adapter_for(model), method, calib, device=device,
                                        progress=False, ranks=ranks)
     sync()
     engine = time.perf_counter() - start

@@ -127,7 +127,7 @@ def run(model, label, method, nsamples, seqlen, layers, offload, device, seed):
         exact_host_peak = reset_host_peak()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        qtensors, _ = quantize_model(model, adapter_for(model.config), method, calib, device=device, progress=False,
+        qtensors, _ = quantize_model(model, adapter_for(model), method, calib, device=device, progress=False,
                                      offload_activations=offload)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start

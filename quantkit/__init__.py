@@ -19,14 +19,17 @@ def load(path, device="cpu", dtype=None, verify=True, bits=None):
     modules (CUDA kernels on CUDA inputs, the dequantize reference elsewhere), in eval mode.
 
     device: "cpu", "cuda[:N]", or None for cuda when available. dtype: compute dtype, a torch.dtype or
-    its name ("float16", "bfloat16", "float32") [float16 on cuda, float32 on cpu]. verify: check the
+    its name ("float16", "bfloat16", "float32"), or "auto" [auto: on cuda the dtype of the checkpoint it was
+    made from when bfloat16 or float16, else float16; float32 on cpu]. verify: check the
     shards' checksums. bits: serve this width of an any-precision artifact (None: its parent width;
     `QuantLinear.set_bits` switches it later). The config keeps use_cache=False for perplexity;
     `model.generate` uses the KV cache anyway when called with use_cache=True
     (quantkit.runtime.generate.generate_text does).
     """
+    from quantkit.models.loading import Source, checkpoint_dtype
     from quantkit.pipeline import resolve_device, resolve_dtype
     from quantkit.runtime.loader import load_quantized
 
     device = resolve_device(device)
-    return load_quantized(path, device=device, dtype=resolve_dtype(dtype, device), verify=verify, bits=bits)
+    native = checkpoint_dtype(Source("artifact", str(path)))
+    return load_quantized(path, device=device, dtype=resolve_dtype(dtype, device, native), verify=verify, bits=bits)

@@ -15,6 +15,7 @@ from quantkit.methods.fields import flag_names, option_name, options, problem, s
 
 # every method setting of configs.py, one entry per option name: {name: [(method, field)]}
 METHOD_SETTINGS = shared_options(CONFIGS.values())
+DTYPE_AUTO = "[auto: the checkpoint's own dtype on cuda if bfloat16 or float16, else float16; float32 on cpu]"
 
 
 def _fail(message):
@@ -203,8 +204,8 @@ def _method_options(command):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for calibration sampling.")
 @click.option("--device", default=None,
               help="cpu or cuda [default: cuda if available]. One layer at a time is moved there.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Model dtype during quantization [default: float16 on cuda, float32 on cpu].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="Model dtype during quantization " + DTYPE_AUTO + ".")
 @click.option("--preset", type=click.Path(exists=True, dir_okay=False),
               help="YAML file of option defaults (see configs/); explicit options win.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the run summary as JSON.")
@@ -424,8 +425,8 @@ def eval_group():
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Windows per forward pass.")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="Compute dtype " + DTYPE_AUTO + ".")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
@@ -525,8 +526,8 @@ def _configure_cpu_threads(device):
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests per forward pass.")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available].")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="Compute dtype " + DTYPE_AUTO + ".")
 @click.option("--bits", type=int, default=None, help="Any-precision artifacts: serve this bit-width.")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of lm-eval's few-shot sampling.")
@@ -574,8 +575,8 @@ def eval_tasks(models, task_list, include_path, num_fewshot, limit, batch_size, 
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available]; on cuda the kernels serve.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Compute dtype [default: float16 on cuda, float32 on cpu].")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="Compute dtype " + DTYPE_AUTO + ".")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
 @click.option("--static-cache", is_flag=True,
               help="Greedy decoding from a static KV cache, each step one CUDA-graph replay on CUDA: the speed the "

@@ -20,6 +20,8 @@ from quantkit.eval import perplexity
 from quantkit.kernels.build import sources_digest
 from quantkit.methods import make_method
 from quantkit.models import adapter_for, check_architecture, load_model, load_tokenizer, resolve_source
+from quantkit.models.lazy import check_shards
+from quantkit.models.loading import checkpoint_dtype
 from quantkit.settings import DEFAULT_NSAMPLES, DEFAULT_VAL_WINDOWS
 
 log = logging.getLogger(__name__)
@@ -36,15 +38,25 @@ def resolve_device(device):
     return device
 
 
-def resolve_dtype(dtype, device):
-    """A torch.dtype from a dtype, its name ("float16", ...) or None (float16 on cuda, float32 on cpu)."""
+def resolve_dtype(dtype, device, native=None):
+    """The compute dtype: a torch.dtype, its name ("float16", ...), or None / "auto": on CUDA the
+    checkpoint's own dtype `native` when it is bfloat16 or float16 (a bf16-trained model can overflow
+    fp16 activations), else float16; float32 on the CPU (where fp16/bf16 matmuls are slow or emulated)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
-        return torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype in (None, "auto"):
+        if not device.startswith("cuda"):
+            return torch.float32
+        return native if native in (torch.float16, torch.bfloat16) else torch.float16
     if dtype not in DTYPES:
-        raise QuantkitError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
+        raise QuantkitError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def storage_dtype(native):
+    """The dtype of an artifact's unquantized tensors: bfloat16 for a bf16 checkpoint (fp16 could overflow
+    its values), else float16."""
+    return torch.bfloat16 if native == torch.bfloat16 else torch.float16
 
 
 def output_format(quantizer, fmt=None):
@@ -83,6 +95,8 @@ def convert_qtensors(qtensors: dict, fmt: str) -> dict:
 def check_finite_weights(model):
     """Refuse a model with NaN/Inf in any parameter before any work is done (names the tensor)."""
     for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
         bad = (~torch.isfinite(param)).sum().item() if param.is_floating_point() else 0
         if bad:
             raise QuantkitError(f"model tensor {name} contains {bad} NaN/Inf values; the checkpoint is damaged")
@@ -225,7 +239,7 @@ class _Job:
             return type(exc)(f"{exc}{self._hint()}")
         return exc  # an interruption or a bug: the checkpoint stays for a later --resume
 
-    def quantize(self, model, adapter, quantizer, calib_ids, module_stats, progress):
+    def quantize(self, model, adapter, quantizer, calib_ids, module_stats, progress, blocks=None):
         from quantkit.engine.checkpoint import LayerCheckpoint
 
         if self.use_checkpoint:
@@ -238,7 +252,7 @@ class _Job:
         try:
             return quantize_model(model, adapter, quantizer, calib_ids, device=self.device, progress=progress,
                                   module_stats=module_stats, checkpoint=self.checkpoint,
-                                  offload_activations=self.offload, ranks=self.ranks)
+                                  offload_activations=self.offload, ranks=self.ranks, blocks=blocks)
         except BaseException as exc:
             failure = self._fail(exc)
             if failure is exc:
@@ -273,7 +287,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
                         nsamples=None, seqlen=2048, seed=0,
                         device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None,
                         ensemble=False, val_windows=DEFAULT_VAL_WINDOWS, resume=False, checkpoint=True,
-                        offload_activations=False):
+                        offload_activations=False, lazy=True):
     """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict.
     checkpoint: record every finished layer in <out>.partial/ (engine/checkpoint.py) so that a killed
     run continues with resume=True, writing the artifact an uninterrupted run would have written.
@@ -281,11 +295,14 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     Under torchrun (WORLD_SIZE > 1) the work is split over the ranks (engine/distributed.py) with the
     same result; rank 0 writes.
     ensemble (ooc only): the two-flow OOC(h,l,p,s), choosing GPTQ(l) or GPTQ(h,l,p,s) by the loss on
-    `val_windows` held-out windows of the calibration dataset (quantkit/ensemble.py)."""
+    `val_windows` held-out windows of the calibration dataset (quantkit/ensemble.py).
+    lazy: read a local safetensors checkpoint one decoder block at a time (models/lazy.py; not with the
+    whole-model passes of --ensemble and Fisher sensitivity, nor for GGUF or hub sources); lazy=False
+    loads it whole first."""
     out = Path(out)
     check_out_dir(out, overwrite)
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    resolve_dtype(dtype, device)  # an unknown name is refused before anything else
     job = _Job(out, device, resume=resume, checkpoint=checkpoint, offload_activations=offload_activations,
                overwrite=overwrite)
     device = job.device
@@ -307,6 +324,10 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     size = estimated_bytes(source, quantizer)
     check_output_location(out, source.path if source.kind == "hf_dir" else None, size)
     max_positions = check_architecture(source)
+    if source.kind == "hf_dir":
+        check_shards(source.path)
+    native_dtype = checkpoint_dtype(source)
+    torch_dtype = resolve_dtype(dtype, device, native_dtype)
     if nsamples and max_positions and seqlen > max_positions:
         raise QuantkitError(f"--seqlen {seqlen} exceeds the model's context of {max_positions} tokens")
     if ensemble and is_calibration_file(calib):
@@ -323,10 +344,21 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         _step(progress, f"sampling {nsamples} calibration windows of {seqlen} tokens from {calib}")
         calib_ids, calib_protocol = calibration_windows(calib, tokenizer, nsamples, seqlen, seed, data_dir,
                                                         field=calib_field, chat=calib_chat)
-    _step(progress, f"loading the weights of {source.display}")
-    model = load_model(source, dtype=torch_dtype)
-    adapter = adapter_for(model.config)
-    check_finite_weights(model)
+    loaded = time.perf_counter()
+    blocks = None
+    if lazy and source.kind == "hf_dir" and not ensemble and "fisher" not in quantizer.stats:
+        from quantkit.models.lazy import open_lazy
+
+        _step(progress, f"reading the weights outside the decoder blocks of {source.display}")
+        opened = open_lazy(source, torch_dtype)
+        if opened is not None:
+            model, blocks, adapter = opened
+    if blocks is None:
+        _step(progress, f"loading the weights of {source.display}")
+        model = load_model(source, dtype=torch_dtype)
+        adapter = adapter_for(model)
+    check_finite_weights(model)  # the blocks of a lazy model are checked as they are read
+    load_seconds = round(time.perf_counter() - loaded, 2)
 
     module_stats, sensitivity_seconds = None, None
     if "fisher" in quantizer.stats:  # whole-model squared gradients, before any layer is quantized
@@ -346,7 +378,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         ensemble_report = {"flows": flows, "validation": val_protocol}
     else:
         job.fingerprint = run_fingerprint(source, model, quantizer, calib_ids, device, torch_dtype)
-        qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress)
+        qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress, blocks)
     elapsed = time.perf_counter() - start
 
     quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
@@ -358,7 +390,9 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         quant_config["format"] = fmt
     summary = {"model": source.display, "method": method, "settings": quantizer.config(),
                "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
-               "quantize_seconds": round(elapsed, 2), "modules_quantized": len(qtensors),
+               "quantize_seconds": round(elapsed, 2), "load_seconds": load_seconds,
+               **({} if blocks is None else {"block_read_seconds": round(blocks.seconds, 2)}),
+               "modules_quantized": len(qtensors),
                **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
                **({} if ensemble_report is None else {"ensemble": ensemble_report}),
                **job.summary(),
@@ -367,9 +401,15 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["use_cache"] = True
+    if native_dtype is not None:  # the checkpoint's own dtype, not the one the engine computed in
+        config["dtype"] = str(native_dtype).replace("torch.", "")
+    floats = storage_dtype(native_dtype)
+    written = time.perf_counter()
     job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
-                                     float_tensors=float_tensors(model, qtensors), quantization_config=quant_config,
+                                     float_tensors=float_tensors(model, qtensors, floats),
+                                     quantization_config=quant_config,
                                      quant_log=quant_log, overwrite=overwrite))
+    summary["write_seconds"] = round(time.perf_counter() - written, 2)
     summary["out"] = str(out)
     return summary
 
@@ -380,8 +420,8 @@ def load_for_eval(src, device="cpu", dtype=None, verify=True, bits=None):
     from quantkit.runtime import load_quantized
 
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(src)
+    torch_dtype = resolve_dtype(dtype, device, checkpoint_dtype(source))
     tokenizer = load_tokenizer(source)
     if source.kind == "artifact":
         model = load_quantized(source.path, device=device, dtype=torch_dtype, verify=verify, bits=bits)

@@ -66,7 +66,7 @@ def main():
 
     source = resolve_source(args.model)
     model = load_model(source, dtype=torch.float32)
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     layer_ids = [int(x) for x in args.layers.split(",")]
     calib_ids, protocol = calibration_windows("c4", load_tokenizer(source), args.nsamples, args.seqlen, 0)
     t0 = time.perf_counter()

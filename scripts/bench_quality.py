@@ -125,7 +125,7 @@ def main():
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
     float_model = load_model(source, dtype=dtype)
-    adapter = adapter_for(float_model.config)
+    adapter = adapter_for(float_model)
     rows = []
     meta = {"model": source.display,
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),

@@ -26,7 +26,7 @@ def quantize_to_artifact(model, method, out_dir, seed=0):
     from quantkit.engine import quantize_model
     from quantkit.models import adapter_for
 
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(seed))
     qtensors, entries = quantize_model(model, adapter, method, calib, progress=False)
     out = write_artifact(out_dir, model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,

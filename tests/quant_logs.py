@@ -1,7 +1,8 @@
 """What two quant_log.json files of the same quantization may legitimately differ in, and a log without it."""
 
 # wall-clock times, and how the run was carried out (resumed, how many ranks, on which host)
-VOLATILE = frozenset({"time_s", "quantize_seconds", "sensitivity_seconds", "resumed_at_layer", "world_size", "host"})
+VOLATILE = frozenset({"time_s", "quantize_seconds", "sensitivity_seconds", "load_seconds", "block_read_seconds",
+                      "resumed_at_layer", "world_size", "host"})
 
 
 def strip_volatile(value, also=frozenset()):

@@ -231,7 +231,7 @@ def _round_float_params(model, quantized):
 def test_tiny_llama_bcq_artifact_round_trip(tmp_path, offset):
     model = _tiny_llama()  # down_proj has d = 80: a partial last group and 16 padding bits per row
     method = make_method("bcq", bits=3, group_size=32, offset=offset, rounds=5)
-    qtensors, entries = quantize_model(model, adapter_for(model.config), method, None, progress=False)
+    qtensors, entries = quantize_model(model, adapter_for(model), method, None, progress=False)
     assert all(qt.format_name == "bcq" for qt in qtensors.values()) and len(qtensors) == 14
     assert all(e["bcq_error"] < e["bcq_greedy_error"] for e in entries)
     out = tmp_path / "bcq"
@@ -256,7 +256,7 @@ def test_tiny_llama_bcq_artifact_round_trip(tmp_path, offset):
 def test_converted_uniform_artifact_dequantizes_the_same(tmp_path, bits, group_size, sym):
     model = _tiny_llama()
     method = make_method("rtn", bits=bits, group_size=group_size, sym=sym)
-    qtensors, _ = quantize_model(model, adapter_for(model.config), method, None, progress=False)
+    qtensors, _ = quantize_model(model, adapter_for(model), method, None, progress=False)
     src, dst = tmp_path / "rtn", tmp_path / "bcq"
     _write(model, qtensors, src, {"method": "rtn", **method.config()})
     result = CliRunner().invoke(main, ["convert", str(src), "--to", "bcq", "--out", str(dst)])

@@ -31,7 +31,7 @@ def test_flows_are_plain_gptq_low_and_the_ooc_method():
 
 def test_run_flows_keeps_the_lower_validation_loss_and_matches_standalone_runs():
     model = tiny_causal_lm(intermediate=128, seed=0)
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     ooc = make_method("ooc", low_bits=2, high_bits=4, clear_fraction=0.25, scan=1.0, group_size=32)
     flows = ooc_flows(ooc)
     calib, val = _calib(1), _calib(2, n=2)

@@ -117,7 +117,7 @@ def artifact(tmp_path_factory):
     from quantkit.runtime import load_quantized
 
     model = tiny_causal_lm(intermediate=128, seed=5)
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     method = make_method("rtn", bits=3, group_size=32)
     qtensors, entries = quantize_model(model, adapter, method, None, progress=False)
     out = tmp_path_factory.mktemp("fuzz") / "art"

@@ -204,7 +204,7 @@ def test_presets_and_cli_options():
 
 def test_engine_gptq_beats_rtn_on_tiny_llama():
     model = tiny_causal_lm(intermediate=128, seed=1)
-    adapter = adapter_for(model.config)
+    adapter = adapter_for(model)
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     logs = {}
     for name in ("rtn", "gptq"):

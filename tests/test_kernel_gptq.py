@@ -374,10 +374,10 @@ def test_engine_uses_kernel(kernel):
                          ("ooc", {"low_bits": 2, "high_bits": 3, "scan": 1.0, "group_size": 32})):
         method = make_method(name, **params)
         with gptq_cuda.disabled():
-            ref, _ = quantize_model(copy.deepcopy(model), adapter_for(model.config), method, calib, device="cuda",
+            ref, _ = quantize_model(copy.deepcopy(model), adapter_for(model), method, calib, device="cuda",
                                     progress=False)
         before = gptq_cuda.launches["calls"]
-        got, _ = quantize_model(copy.deepcopy(model), adapter_for(model.config), method, calib, device="cuda",
+        got, _ = quantize_model(copy.deepcopy(model), adapter_for(model), method, calib, device="cuda",
                                 progress=False)
         assert gptq_cuda.launches["calls"] > before
         for module, qt in got.items():

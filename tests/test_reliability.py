@@ -97,11 +97,11 @@ def test_unreadable_model(tiny_llama_dir, tmp_path):
     assert_fails(quantize(truncated, out), "could not load model weights", out)
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    save_tiny(tiny_causal_lm("gpt2", layers=1, hidden=32, heads=2, vocab=64), None, tmp_path / "gpt2")
+def test_unsupported_architecture_names_what_was_expected(tmp_path):
+    save_tiny(tiny_causal_lm("bert", layers=1, hidden=32, heads=2, vocab=64), None, tmp_path / "bert")
     out = tmp_path / "q"
-    line = assert_fails(quantize(tmp_path / "gpt2", out), "unsupported architecture 'gpt2'", out)
-    assert "supported model types: llama, mistral, opt" in line
+    line = assert_fails(quantize(tmp_path / "bert", out), "unsupported architecture 'bert'", out)
+    assert "expected a decoder-only causal LM" in line
 
 
 def test_artifact_is_not_a_model_to_quantize(tiny_llama_dir, tmp_path):
@@ -325,7 +325,7 @@ def test_one_corrupt_byte_in_any_shard_is_detected(tmp_path):
 
     model = tiny_causal_lm(intermediate=128, seed=0)
     method = make_method("rtn", bits=4, group_size=32)
-    qtensors, entries = quantize_model(model, adapter_for(model.config), method, None, progress=False)
+    qtensors, entries = quantize_model(model, adapter_for(model), method, None, progress=False)
     out = write_artifact(tmp_path / "art", model_config=model.config.to_dict(), tokenizer=None, qtensors=qtensors,
                          float_tensors=float_tensors(model, qtensors), quantization_config=method.config(),
                          quant_log={"modules": entries}, max_shard_bytes=30_000)
@@ -590,18 +590,18 @@ def loader_never_called(monkeypatch):
     monkeypatch.setattr(pipeline, "load_model", never)
 
 
-def _gemma_like(tmp_path):
-    model = tmp_path / "gemma-like"
+def _encoder_only(tmp_path):
+    model = tmp_path / "encoder"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 262144}))
+    (model / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"],
+                                                   "vocab_size": 30522}))
     return model
 
 
 @pytest.mark.usefixtures("loader_never_called")
 def test_refusals_come_before_the_model_loads(tmp_path, tiny_llama_dir, small_data):
     out = tmp_path / "q"
-    assert_fails(quantize(_gemma_like(tmp_path), out, "--method", "rtn"), "unsupported architecture 'gemma3_text'",
-                 out)
+    assert_fails(quantize(_encoder_only(tmp_path), out, "--method", "rtn"), "unsupported architecture 'bert'", out)
     line = assert_fails(run("quantize", "--model", tiny_llama_dir, "--out", "/proc/quantkit-x", "--device", "cpu"),
                         "does not accept new files", tmp_path / "unused")
     assert "/proc" in line

@@ -73,7 +73,7 @@ def artifact(tmp_path_factory):
             method_name, params, fmt = SPECS[name]
             model = _float_llama()
             method = make_method(method_name, **params)
-            adapter = adapter_for(model.config)
+            adapter = adapter_for(model)
             calib = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(1))
             qtensors, entries = quantize_model(model, adapter, method, calib if method.stats else None, progress=False)
             if fmt:

@@ -2,10 +2,13 @@
 
 Without calibration (methods that need no statistics) every linear is quantized straight from
 its weight. With calibration the engine:
-  1. captures the inputs (and call kwargs) of the first decoder layer on the calibration windows;
-  2. for each layer, moves it to the device and, group by group in true-sequential order, runs
-     the layer with hooks that gather statistics, quantizes the group's linears and puts their
-     dequantized weights back;
+  1. captures the inputs of the first decoder layer on the calibration windows, and what every layer
+     is called with besides (masks, position embeddings: they may differ from layer to layer);
+  2. for each layer, moves it to the device and, step by step in true-sequential order (the plan
+     models.adapters learns by watching one forward), runs the layer with hooks that gather
+     statistics, quantizes the step's linears and puts their dequantized weights back; an expert of
+     a MoE block gathers statistics from the tokens routed to it (_ExpertCalibration states the rule
+     for an expert routed too few);
   3. runs the quantized layer once more to produce the next layer's inputs, then moves it back.
 
 Memory: the device holds one decoder layer, the statistics of one group (a few d×d fp32 buffers),
@@ -29,6 +32,8 @@ from tqdm.auto import tqdm
 from quantkit.engine.distributed import LOCAL
 from quantkit.engine.stats import InputGramCollector, output_error
 from quantkit.errors import QuantkitError
+from quantkit.models.adapters import observe_calls
+from quantkit.runtime.experts import RoutedExperts, replace_fused_experts
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +42,18 @@ class _StopForward(Exception):
     pass
 
 
-class _InputCatcher(torch.nn.Module):
-    """Stands in for layer 0, records its inputs and aborts the forward pass."""
+class _BlockStandIn(torch.nn.Module):
+    """Stands in for decoder block `index` while the model runs up to its blocks: hands what the block
+    is called with to `sink`, which returns the block's input unchanged or stops the forward."""
 
-    def __init__(self, layer, sink, store=None):
+    def __init__(self, layer, index, sink):
         super().__init__()
         self.layer = layer
+        self.index = index
         self.sink = sink
-        self.store = store
 
     def forward(self, hidden_states, *args, **kwargs):
-        kept = hidden_states if self.store is None else hidden_states.to(self.store)
-        self.sink.append((kept, args, kwargs))
-        raise _StopForward
+        return self.sink(self.index, hidden_states, args, kwargs)
 
     def __getattr__(self, name):  # models may read attributes of their layers (e.g. attention_type)
         try:
@@ -70,36 +74,82 @@ def _move_outside(module, skip, device):
         _move_outside(child, skip, device)
 
 
+_NOT_CARRIED = ("past_key_values", "past_key_value", "cache", "layer_past", "use_cache")
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b.to(a.device)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable equality are compared by identity only
+        return False
+
+
 @torch.no_grad()
 def capture_layer_inputs(model, layers, calib_ids, device, store=None):
-    """Run the model up to its first decoder layer; returns (inputs [n, T, h], args, kwargs).
-    `store`: where the inputs are kept (default: `device`)."""
+    """Run the model up to its decoder blocks; returns (inputs [n, T, h], calls) where calls[i] =
+    (args, kwargs) is what block i is called with besides its input: attention masks (which differ
+    between sliding-window and global blocks), position ids and embeddings, whatever the architecture
+    passes (caches and use_cache dropped). `store`: where the inputs are kept (default: `device`).
+
+    Every block is replaced by a stand-in. On the first window the stand-ins return their input, so
+    the forward reaches every block and each one's call is recorded; on the others the first stand-in
+    stops it. The calls are taken from the first window and reused for all (they depend on the
+    window's length, not its tokens); a second window is run through every block too and a call that
+    differs between the two is refused rather than silently reused."""
     _move_outside(model, layers, device)
-    sink = []
-    original = layers[0]
-    layers[0] = _InputCatcher(original, sink, store)
+    inputs, calls, check = [], [None] * len(layers), [None] * len(layers)
+    mode = {"record": calls}
+
+    def sink(index, hidden, args, kwargs):
+        if index == 0:
+            inputs.append(hidden if store is None else hidden.to(store))
+        target = mode["record"]
+        if target is None:
+            raise _StopForward
+        target[index] = (args, {k: v for k, v in kwargs.items() if k not in _NOT_CARRIED})
+        if index == len(layers) - 1:
+            raise _StopForward
+        return hidden
+
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = _BlockStandIn(layer, i, sink)
     try:
-        for row in calib_ids:
+        for w, row in enumerate(calib_ids):
+            mode["record"] = calls if w == 0 else check if w == 1 else None
             try:
                 model(row.unsqueeze(0).to(device), use_cache=False)
             except _StopForward:
                 pass
     finally:
-        layers[0] = original
+        for i, layer in enumerate(originals):
+            layers[i] = layer
         _move_outside(model, layers, "cpu")
-    inputs = torch.cat([hidden for hidden, _, _ in sink])
-    _, args, kwargs = sink[0]
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "cache", "use_cache")}
-    return inputs, args, kwargs
+    if check[0] is not None:
+        for i, (first, second) in enumerate(zip(calls, check)):
+            if not _same_value(first, second):
+                raise QuantkitError(f"decoder block {i} is called with arguments that depend on the tokens of the "
+                                    "window (not only its length); quantkit reuses one call for every window")
+    return torch.cat(inputs), calls
 
 
-def _run_layer(layer, inputs, args, kwargs, keep_outputs=True):
+def _run_layer(layer, inputs, args, kwargs, keep_outputs=True, collectors=()):
     """Run `layer` on every window of `inputs` (one per forward, on the layer's device); returns the
-    outputs where the inputs live, or None when only the hooks matter."""
+    outputs where the inputs live, or None when only the hooks matter. Each collector is told when a
+    window ends (a routed expert's linear may not run at all in a window)."""
     device = next(layer.parameters()).device
     outputs = torch.empty_like(inputs) if keep_outputs else None
     for i in range(inputs.shape[0]):
         out = layer(inputs[i : i + 1].to(device), *args, **kwargs)
+        for collector in collectors:
+            collector.end_window()
         if keep_outputs:
             outputs[i] = out[0] if isinstance(out, (tuple, list)) else out
     return outputs
@@ -164,29 +214,132 @@ def _quantize_together(ranks, jobs, method, device):
     return results
 
 
+def _signature(layer, linears):
+    """What decides a block's plan: its class and its linears' names and shapes."""
+    return type(layer).__name__, tuple((name, tuple(m.weight.shape)) for name, m in linears.items())
+
+
+def _expert_slot(name, experts):
+    """(experts module path, expert index, stage) of an expert linear's name inside a block, else None."""
+    for path in experts:
+        if name.startswith(path + "."):
+            index, leaf = name[len(path) + 1:].split(".", 1)
+            stage = next(s for s, leaves in enumerate(RoutedExperts.STAGES) if leaf in leaves)
+            return path, int(index), stage
+    return None
+
+
+class _BlockPass:
+    """Runs one decoder block over the calibration windows with statistics hooks on some of its linears."""
+
+    def __init__(self, layer, inputs, call, linears, shard_sizes, ranks):
+        self.layer, self.inputs, self.linears = layer, inputs, linears
+        self.args, self.kwargs = call
+        self.shard_sizes, self.ranks = shard_sizes, ranks
+
+    def observe(self):
+        """[(linear name, input)] in the order one forward (the first window) runs the linears."""
+        def one_window():
+            _run_layer(self.layer, self.inputs[:1], self.args, self.kwargs, keep_outputs=False)
+
+        return observe_calls(self.layer, list(self.linears), one_window)
+
+    def stats(self, groups, experts=None, on_all=frozenset()) -> dict:
+        """{group: statistics of its input} for `groups` (tuples of linears reading one input), from one
+        pass over every window; `experts` runs the experts `on_all` on every token meanwhile."""
+        collectors = [InputGramCollector(self.linears[group[0]], self.shard_sizes, eager=self.ranks.is_main)
+                      for group in groups]
+        if experts is not None:
+            experts.calibrate_on_all_tokens = on_all
+        try:
+            _run_layer(self.layer, self.inputs, self.args, self.kwargs, keep_outputs=False, collectors=collectors)
+        finally:
+            for collector in collectors:
+                collector.remove()
+            if experts is not None:
+                experts.calibrate_on_all_tokens = frozenset()
+        return {group: collector.stats(self.ranks) for group, collector in zip(groups, collectors)}
+
+
+class _ExpertCalibration:
+    """The routed-token rule for the experts of one block. Expert e is calibrated on the tokens routed
+    to it; when they are fewer than its input width (Σ xᵀx would be singular), it is calibrated on all
+    tokens that reached the experts module instead (RoutedExperts.calibrate_on_all_tokens), logged
+    with its routed count, and its down projection follows the same choice."""
+
+    RULE = ("an expert routed fewer tokens than its input width is calibrated on all tokens that reached "
+            "its MoE block")
+
+    def __init__(self, layer, index):
+        self.layer, self.index = layer, index
+        self.experts = [path for path, m in layer.named_modules() if isinstance(m, RoutedExperts)]
+        self.routed = {}  # (path, e) -> routed token count (all ranks)
+        self.short = {}  # path -> frozenset of experts calibrated on all tokens
+
+    def gather(self, step, block: _BlockPass) -> dict:
+        """Statistics of every group of `step`: {group: stats}, applying the rule."""
+        slot = _expert_slot(step[0][0], self.experts)
+        if slot is None:
+            return block.stats(step)
+        path, _, stage = slot
+        module = self.layer.get_submodule(path)
+        if stage > 0:  # the down projections: the experts chosen at the first stage see all tokens again
+            return block.stats(step, module, self.short[path])
+        stats = block.stats(step)
+        indices = [_expert_slot(group[0], self.experts)[1] for group in step]
+        short = set()
+        for group, e in zip(step, indices):
+            self.routed[path, e] = stats[group]["ntokens"]
+            if stats[group]["ntokens"] < self.layer.get_submodule(group[0]).in_features:
+                short.add(e)
+        self.short[path] = frozenset(short)
+        if short:
+            log.warning("layer %d %s: experts %s were routed too few tokens (%s); %s", self.index, path,
+                        sorted(short), ", ".join(str(self.routed[path, e]) for e in sorted(short)), self.RULE)
+            again = [group for group, e in zip(step, indices) if e in short]
+            stats.update(block.stats(again, module, self.short[path]))
+        return stats
+
+    def annotate(self, name, entry):
+        slot = _expert_slot(name, self.experts)
+        if slot is not None:
+            path, e, _ = slot
+            entry["routed_tokens"] = self.routed[path, e]
+            entry["calibrated_on"] = "all block tokens" if e in self.short[path] else "routed tokens"
+
+
 @torch.no_grad()
 def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None, *,
-                   checkpoint=None, offload_activations=False, ranks=None):
-    """Quantize every adapter linear of `model` in place (weights replaced by their dequantized
-    values). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
+                   checkpoint=None, offload_activations=False, ranks=None, blocks=None):
+    """Quantize every linear the adapter finds in `model`'s decoder blocks, in place (weights replaced
+    by their dequantized values; fused MoE experts are first split into one linear per expert matrix,
+    runtime.experts). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
     ({module name: {key: tensor}}, e.g. the whole-model Fisher diagonal) is merged into the
     statistics of that module. `checkpoint`: a prepared engine.checkpoint.LayerCheckpoint; layers
     it has recorded are restored, not recomputed. `offload_activations`: keep the calibration
-    activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone)."""
+    activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone).
+    `blocks`: a models.lazy.LazyBlocks when the blocks of `model` are on the meta device, each read when
+    its turn comes and released once its quantized tensors are taken.
+
+    With calibration each block's plan (models.adapters: groups of linears that read one input, in the
+    order they run) is learned from one forward of the first block of its kind, on its first window."""
     ranks = ranks or LOCAL
+    replace_fused_experts(model)
     layers = adapter.layers(model)
     needs_stats = bool(method.stats)
     if needs_stats and calib_ids is None:
         raise QuantkitError(f"--method {method.name} needs calibration data (--nsamples > 0)")
     qtensors, log_entries = {}, []
     first = 0
+    prefix = adapter.layers_path
     if checkpoint is not None:
         qtensors, log_entries = checkpoint.restore()
         first = checkpoint.layers_done
-    prefix = adapter.layers_path
-    per_layer = len(adapter.linear_names())
+        for index in range(first if blocks is not None else 0):  # their float tensors go to the artifact too
+            blocks.load_floats(index, [n for n in qtensors if n.startswith(f"{prefix}.{index}.")])
     show = progress and ranks.is_main
     todo = range(first, len(layers))
+    position = 0  # a running count of linears, the same on every rank: decides which rank quantizes one
 
     def finish_layer(index, layer_q, layer_entries, next_inputs=None, window_start=0):
         qtensors.update(layer_q)
@@ -196,54 +349,66 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
 
     if calib_ids is None:
         for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
-            jobs = [(index * per_layer + position, f"{prefix}.{index}.{name}", linear, None)
-                    for position, (name, linear) in enumerate(adapter.linears(layers[index]).items())]
+            if blocks is not None:
+                blocks.load(index)
+            jobs = []
+            for name, linear in adapter.linears(layers[index]).items():
+                jobs.append((position, f"{prefix}.{index}.{name}", linear, None))
+                position += 1
             done = _quantize_together(ranks, jobs, method, device)
             layer_q = {name: qtensor for (_, name, _, _), (qtensor, _) in zip(jobs, done)}
             finish_layer(index, layer_q, [entry for _, entry in done])
+            if blocks is not None:
+                blocks.release(index, layer_q)
         return qtensors, log_entries
 
     nwindows = calib_ids.shape[0]
     start, stop = ranks.window_range(nwindows)
     store = "cpu" if offload_activations else device
     if first == 0:
-        inputs, args, kwargs = capture_layer_inputs(model, layers, calib_ids[start:stop], device, store)
+        inputs, calls = capture_layer_inputs(model, layers, calib_ids[start:stop], device, store)
     elif first < len(layers):
-        # the call kwargs (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
-        _, args, kwargs = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
+        # the calls (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
+        _, calls = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
         inputs = checkpoint.load_inputs(start, stop).to(store)
     shard_sizes = ranks.local_shard_sizes(nwindows)
+    plans = {}
     for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
         layer = layers[index]
+        if blocks is not None:
+            blocks.load(index)
         layer.to(device)
         linears = adapter.linears(layer)
+        block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks)
+        signature = _signature(layer, linears)
+        if signature not in plans:
+            plans[signature] = adapter.steps(layer, block.observe())
+        routing = _ExpertCalibration(layer, index)
         layer_q, layer_entries = {}, []
-        position = 0
-        for group in adapter.sequential_groups:
-            # the linears of a group read the same input, so one collector serves them all
-            collector = InputGramCollector(linears[group[0]], shard_sizes, eager=ranks.is_main)
-            try:
-                _run_layer(layer, inputs, args, kwargs, keep_outputs=False)
-            finally:
-                collector.remove()
-            stats = collector.stats(ranks)
-            del collector
-            if not torch.isfinite(stats["xtx"]).all():
-                raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN or Inf")
+        for step in plans[signature]:
+            stats = routing.gather(step, block)
             jobs = []
-            for name in group:
-                full = f"{prefix}.{index}.{name}"
-                extra = (module_stats or {}).get(full)
-                jobs.append((index * per_layer + position, full, linears[name],
-                             stats if extra is None else {**stats, **extra}))
-                position += 1
+            for group in step:
+                if not torch.isfinite(stats[group]["xtx"]).all():
+                    raise QuantkitError(f"layer {index} {group[0]}: calibration activations (Hessian) contain NaN "
+                                        "or Inf")
+                for name in group:
+                    full = f"{prefix}.{index}.{name}"
+                    extra = (module_stats or {}).get(full)
+                    jobs.append((position, full, linears[name],
+                                 stats[group] if extra is None else {**stats[group], **extra}))
+                    position += 1
             for (_, full, _, _), (qtensor, entry) in zip(jobs, _quantize_together(ranks, jobs, method, device)):
+                routing.annotate(full[len(f"{prefix}.{index}."):], entry)
                 layer_q[full] = qtensor
                 layer_entries.append(entry)
             del stats, jobs
+        del block
         last = index == len(layers) - 1
         if not last:  # the last layer's outputs feed nothing that is quantized
-            inputs = _run_layer(layer, inputs, args, kwargs)
+            inputs = _run_layer(layer, inputs, *calls[index])
         layer.to("cpu")
         finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
+        if blocks is not None:
+            blocks.release(index, layer_q)
     return qtensors, log_entries

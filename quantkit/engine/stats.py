@@ -13,8 +13,10 @@ class InputGramCollector:
     the same bits): the windows this process sees form consecutive shards of `shard_sizes` windows;
     each shard is summed from zero, and shards are folded onto a zero total in order (`eager`, rank 0
     and single runs) or kept for the cross-rank chain (`eager=False`). The engine feeds one window
-    per forward pass, so each hook call is one window. Without `shard_sizes` every window is one
-    shard of an unbounded run (the plain running sum, for callers outside the engine).
+    per forward pass and calls end_window() after each (a routed expert's linear runs in a window only
+    when a token of it was routed there, so hook calls do not count windows). Without `shard_sizes`
+    every hook call is one window of an unbounded run (the plain running sum, for callers outside the
+    engine).
     """
 
     def __init__(self, module: torch.nn.Linear, shard_sizes=None, eager=True):
@@ -43,14 +45,15 @@ class InputGramCollector:
         batch = x.shape[0] if x.dim() > 2 else 1
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.current.addmm_(x.t(), x)
-        self.nsamples += batch
         self.ntokens += x.shape[0]
         if self.shard_sizes is None:
-            return
-        self.in_shard += batch
-        if self.in_shard >= self.shard_sizes[self.shard]:
-            if self.in_shard > self.shard_sizes[self.shard]:
-                raise RuntimeError("a forward batch crossed a shard boundary; feed one window per forward")
+            self.nsamples += batch
+
+    def end_window(self):
+        """One window's forward is over (engine use, with `shard_sizes`)."""
+        self.nsamples += 1
+        self.in_shard += 1
+        if self.in_shard == self.shard_sizes[self.shard]:
             self._close_shard()
 
     def _close_shard(self):

@@ -14,6 +14,7 @@ import torch
 
 from quantkit.artifact import read_header
 from quantkit.formats.base import quantized_tensor_from_state_dict
+from quantkit.runtime.experts import replace_fused_experts
 from quantkit.runtime.quant_linear import QuantLinear
 
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32,
@@ -82,6 +83,7 @@ def register() -> bool:
         def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
             modules = self.quantization_config.modules
             specs = _stored_specs(checkpoint_files, modules)
+            replace_fused_experts(model, copy_weights=False)  # the artifact stores one matrix per expert
             for name in modules:
                 linear = model.get_submodule(name)
                 model.set_submodule(name, _StoredTensors(specs[name], linear.bias))

@@ -1,7 +1,7 @@
 """Loading checkpoints and finding their decoder layers and linears."""
 
-from quantkit.models.adapters import ArchAdapter, adapter_for, supported_model_types
-from quantkit.models.loading import check_architecture, load_model, load_tokenizer, resolve_source
+from quantkit.models.adapters import ArchAdapter, adapter_for
+from quantkit.models.loading import check_architecture, checkpoint_dtype, load_model, load_tokenizer, resolve_source
 
-__all__ = ["ArchAdapter", "adapter_for", "check_architecture", "supported_model_types", "load_model", "load_tokenizer",
+__all__ = ["ArchAdapter", "adapter_for", "check_architecture", "checkpoint_dtype", "load_model", "load_tokenizer",
            "resolve_source"]

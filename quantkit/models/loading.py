@@ -65,28 +65,90 @@ def resolve_source(src) -> Source:
     raise QuantkitError(f"model not found: {src} (expected a HF directory, a .gguf file or a hub id org/name)")
 
 
+def causal_lm_class(config: dict) -> str:
+    """The transformers causal-LM class a config.json describes, or a one-line refusal naming what was
+    expected. A config that lists `architectures` must name a class of transformers' causal-LM mapping
+    (BertForMaskedLM, an encoder, does not, although BERT has a causal variant); without
+    `architectures` the model_type must be in the mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    found = [name for name in architectures if name in causal]
+    if found:
+        return found[0]
+    if not architectures and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    declared = f" ({', '.join(map(str, architectures))})" if architectures else ""
+    raise QuantkitError(f"unsupported architecture {model_type!r}{declared}: expected a decoder-only causal LM, "
+                        "a config whose architectures (or model_type) name one of transformers' causal-LM classes "
+                        "such as LlamaForCausalLM")
+
+
+def empty_model(config, dtype=None):
+    """The causal LM of `config` with its parameters on the meta device (buffers such as rotary
+    frequencies are computed for real): its structure, without reading or allocating any weight."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
+    except Exception as exc:  # transformers raises many types for configs it cannot build
+        raise QuantkitError(f"could not build a {config.model_type!r} model from its config: {exc}") from exc
+    model.config.use_cache = False
+    return model.eval()
+
+
 def check_architecture(source: Source):
-    """Refuse an unsupported architecture from the config alone, before the tokenizer or any weight is read
-    (a large vocabulary's tokenizer can take a minute); returns the model's context length (or None). A
-    local directory's config.json is read as JSON; other sources go through transformers' AutoConfig."""
-    from types import SimpleNamespace
-
-    from quantkit.models.adapters import adapter_for
-
-    if source.kind == "hf_dir":
-        config = json.loads((Path(source.path) / "config.json").read_text())
-        adapter_for(SimpleNamespace(model_type=config.get("model_type")))
-        return config.get("max_position_embeddings")
-    if source.kind == "artifact":
-        raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
+    """Refuse an unsupported model from its config alone, before the tokenizer or any weight is read (a
+    large vocabulary's tokenizer can take a minute): the config must describe a causal LM (causal_lm_class)
+    whose structure, built on the meta device, has decoder blocks holding linears (models.adapters).
+    Returns the model's context length (or None)."""
     from transformers import AutoConfig
 
+    from quantkit.models.adapters import adapter_for
+    from quantkit.runtime.experts import replace_fused_experts
+
+    if source.kind == "artifact":
+        raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
+    if source.kind == "hf_dir":
+        causal_lm_class(json.loads((Path(source.path) / "config.json").read_text()))
     try:
         config = AutoConfig.from_pretrained(source.path, **source.pretrained_kwargs())
     except Exception as exc:  # transformers raises many types for unreadable configs
         raise QuantkitError(f"could not read the model config of {source.display}: {exc}") from exc
-    adapter_for(config)
+    if source.kind != "hf_dir":
+        causal_lm_class(config.to_dict())
+    model = empty_model(config)
+    replace_fused_experts(model, copy_weights=False)  # refuses an experts layout it cannot split
+    adapter_for(model)
     return getattr(config, "max_position_embeddings", None)
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(source: Source):
+    """The dtype the checkpoint was saved in (config.json `dtype`, `torch_dtype` before transformers 5),
+    or None where the config does not say (GGUF files, old configs)."""
+    if source.kind in ("hf_dir", "artifact"):
+        try:
+            config = json.loads((Path(source.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    elif source.kind == "hub":
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(source.path).to_dict()
+        except Exception:  # noqa: BLE001 - unreadable configs are reported by check_architecture / the loader
+            return None
+    else:
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _DTYPE_NAMES.get(str(name).replace("torch.", ""))
 
 
 def load_tokenizer(source: Source):
@@ -99,10 +161,12 @@ def load_tokenizer(source: Source):
 
 
 def load_model(source: Source, dtype=torch.float32):
-    """Load a float causal LM on the CPU, ready for the engine (eval mode, no cache, no GGUF quantizer)."""
+    """Load a float causal LM on the CPU, ready for the engine (eval mode, no cache, no GGUF quantizer,
+    fused MoE experts split into one linear per expert matrix)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantkit.models.adapters import adapter_for
+    from quantkit.runtime.experts import replace_fused_experts
 
     if source.kind == "artifact":
         raise QuantkitError(f"{source.path} is a quantkit artifact; quantize a float model instead")
@@ -111,7 +175,7 @@ def load_model(source: Source, dtype=torch.float32):
         config = AutoConfig.from_pretrained(source.path, **kwargs)
     except Exception as exc:
         raise QuantkitError(f"could not read the model config of {source.display}: {exc}") from exc
-    adapter_for(config)  # refuse unsupported architectures before loading any weights
+    causal_lm_class(config.to_dict())  # refuse unsupported architectures before loading any weights
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
     except Exception as exc:
@@ -120,6 +184,8 @@ def load_model(source: Source, dtype=torch.float32):
     if quantizer is not None and source.kind == "gguf":
         # GGUF weights are dequantized on load; drop the quantizer so the model behaves as a float model.
         quantizer.remove_quantization_config(model)
+    replace_fused_experts(model)
+    adapter_for(model)
     model.config.use_cache = False
     model.eval()
     return model

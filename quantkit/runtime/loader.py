@@ -8,6 +8,7 @@ import torch
 from quantkit.artifact import read_config, read_tensors, split_module_tensors
 from quantkit.errors import QuantkitError
 from quantkit.formats.base import quantized_tensor_from_state_dict
+from quantkit.runtime.experts import replace_fused_experts
 from quantkit.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def load_quantized(path, device="cpu", dtype=None, verify=True, bits=None):
         raise QuantkitError(f"{path}: --bits applies only to any-precision artifacts (method anyprec/squeezellm)")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    replace_fused_experts(model, copy_weights=False)  # the artifact stores one matrix per expert
     for name, meta in qcfg["modules"].items():
         qtensor = quantized_tensor_from_state_dict(meta, per_module[name])
         bias = rest.pop(f"{name}.bias", None)

@@ -1,0 +1,112 @@
+"""A checkpoint read one decoder block at a time (quantkit/models/lazy.py): never two blocks' weights in
+memory at once, the same artifact bytes as loading the model whole, and one-line refusals of missing or
+truncated shards before anything is written."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from factories import tiny_causal_lm
+from quant_logs import strip_volatile
+from quantkit.cli import main
+from quantkit.models import lazy
+from quantkit.pipeline import quantize_checkpoint
+
+LAYERS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _sharded(arch, tokenizer, path):
+    """A checkpoint of LAYERS blocks in several safetensors shards (with the index that names them)."""
+    model = tiny_causal_lm(arch, layers=LAYERS, vocab=len(tokenizer), max_positions=256, seed=5)
+    model.save_pretrained(path, max_shard_size="100KB")
+    tokenizer.save_pretrained(path)
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(shards) >= 3 and (path / lazy.INDEX).is_file()
+    return path
+
+
+def _quantize(src, out, small_data, method="gptq", **kwargs):
+    nsamples = 2 if method == "gptq" else 0
+    return quantize_checkpoint(str(src), out, method, {"bits": 4, "group_size": 32}, nsamples=nsamples, seqlen=32,
+                               calib="ptb", device="cpu", data_dir=small_data, progress=False, checkpoint=False,
+                               **kwargs)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_one_block_at_a_time_and_the_same_bytes_as_a_whole_load(arch, method, tiny_tokenizer, small_data, tmp_path,
+                                                                 monkeypatch):
+    src = _sharded(arch, tiny_tokenizer, tmp_path / "model")
+    events = []
+    original_load, original_release = lazy.LazyBlocks.load, lazy.LazyBlocks.release
+
+    def materialised(blocks):
+        """Indices of the blocks with any weight of a linear in memory (not on the meta device)."""
+        layers = blocks.model.get_submodule(blocks.layers_path)
+        return {i for i, layer in enumerate(layers)
+                if any(m.weight.device.type != "meta" for m in layer.modules() if isinstance(m, torch.nn.Linear))}
+
+    def load(self, index):
+        assert materialised(self) == set(), f"block {index} read while {materialised(self)} are in memory"
+        original_load(self, index)
+        events.append(("load", index, materialised(self)))
+
+    def release(self, index, quantized=()):
+        original_release(self, index, quantized)
+        events.append(("release", index, materialised(self)))
+
+    monkeypatch.setattr(lazy.LazyBlocks, "load", load)
+    monkeypatch.setattr(lazy.LazyBlocks, "release", release)
+    lazy_out, whole_out = tmp_path / "lazy", tmp_path / "whole"
+    _quantize(src, lazy_out, small_data, method)
+    assert events == [e for i in range(LAYERS) for e in (("load", i, {i}), ("release", i, set()))]
+    events.clear()
+    _quantize(src, whole_out, small_data, method, lazy=False)
+    assert events == []
+
+    files = sorted(p.name for p in lazy_out.iterdir())
+    assert files == sorted(p.name for p in whole_out.iterdir())
+    for name in files:
+        if name == "quant_log.json":
+            logs = [strip_volatile(json.loads((d / name).read_text())) for d in (lazy_out, whole_out)]
+            assert logs[0] == logs[1]
+        else:
+            assert (lazy_out / name).read_bytes() == (whole_out / name).read_bytes(), name
+
+
+def _one_line(result):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_missing_or_truncated_shards_are_refused_before_anything_is_written(tiny_tokenizer, tmp_path, monkeypatch):
+    import quantkit.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer read before the refusal"))
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    shards = sorted(src.glob("*.safetensors"))
+    out = tmp_path / "q"
+
+    def quantize():
+        return CliRunner().invoke(main, ["quantize", "--model", str(src), "--out", str(out), "--method", "rtn",
+                                         "--device", "cpu"])
+
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[:-100])
+    line = _one_line(quantize())
+    assert f"shard {shards[1].name} is truncated" in line and f"its header needs {len(data)}" in line
+    shards[1].unlink()
+    assert f"shard {shards[1].name} is missing" in _one_line(quantize())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -1,7 +1,8 @@
 """Tiny random causal LMs built from their configs (no download), for every test that needs a model.
 
     tiny_causal_lm("llama", layers=2, hidden=64, intermediate=160, vocab=128, heads=4, kv_heads=2,
-                   max_positions=64, seed=0, **overrides) -> an eval-mode model
+                   max_positions=64, seed=0, **overrides) -> an eval-mode model (also mistral, qwen2, qwen3,
+                   opt, gpt2)
     save_tiny(model, tokenizer, path) -> path, holding the model and (unless None) the tokenizer
 
 The weights depend on the seed and the sizes only: torch's global generator is seeded right before the
@@ -12,16 +13,19 @@ its assertions depend on and nothing else.
 
 import torch
 
-ARCHITECTURES = ("llama", "opt", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gpt2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # Llama's layer shape; Qwen2 adds q/k/v biases, Qwen3 q/k norms
 
 
 def _config_and_class(arch, layers, hidden, intermediate, vocab, heads, kv_heads, max_positions):
-    if arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if arch in LLAMA_FAMILY:
+        import transformers
 
-        return LlamaConfig, LlamaForCausalLM, dict(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
+        prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+        sizes = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                     head_dim=hidden // heads)  # Qwen3's default head_dim (128) would not follow the sizes
+        return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM"), sizes
     if arch == "opt":
         from transformers import OPTConfig, OPTForCausalLM
 
@@ -40,7 +44,7 @@ def _config_and_class(arch, layers, hidden, intermediate, vocab, heads, kv_heads
 def tiny_causal_lm(arch="llama", *, layers=2, hidden=64, intermediate=160, vocab=128, heads=4, kv_heads=2,
                    max_positions=64, seed=0, **overrides):
     """A randomly initialized `arch` causal LM in eval mode, its weights drawn after torch.manual_seed(seed).
-    intermediate is the MLP width (OPT's ffn_dim, GPT-2's n_inner); kv_heads applies to llama only."""
+    intermediate is the MLP width (OPT's ffn_dim, GPT-2's n_inner); kv_heads applies to the Llama family only."""
     config_class, model_class, sizes = _config_and_class(arch, layers, hidden, intermediate, vocab, heads, kv_heads,
                                                          max_positions)
     config = config_class(**{**sizes, **overrides})

@@ -14,8 +14,9 @@ random tensors made on the GPU (speed does not depend on the values; no download
   anyprec-k    one random 8-bit parent (random codes, sorted random tables for 3..8 bits), served at k = 3..8
                through Decoder.set_bits on the same model
 Decoding is runtime.generate.FastGenerator.run, the code `quantkit generate` runs: B random prompts of
---prompt-len tokens, prefill, then each decode step one CUDA-graph replay (captured once per shape, in a
-first untimed run), greedy, no stop tokens. ms/token = decode time / decode steps (prefill apart), host
+--prompt-len tokens, prefill, then each decode step one CUDA-graph replay (captured once per shape, untimed,
+by FastGenerator.prepare), greedy, no stop tokens; --repeats timed runs (--repeats-long from 512 tokens).
+ms/token = decode time / decode steps (prefill apart), host
 clock between synchronisations; tokens/s = B × 1000 / (ms/token). Speedup = fp16 ms/token / format ms/token
 at the same batch and length, fp16 measured in the same process.
 
@@ -59,6 +60,7 @@ GOALS = {"H100": {"bcq-q3-g128": 3.2, "bcq-q4-g128": 2.7, "gptq4-g128": 2.7, "an
 FP16_STREAM_GOAL = 0.8
 GROUP = 128
 ANYPREC_SEED, ANYPREC_PARENT = 3, 8
+LONG = 512  # generations of this many tokens or more are timed --repeats-long times
 LINEARS = [name for names in GROUPS.values() for name in names]
 
 
@@ -197,14 +199,17 @@ def prompts_for(batch, length, vocab, seed):
 
 
 def time_decode(generator, prompts, gen, repeats):
-    """The first run captures the step's graph (untimed); then `repeats` timed runs, median ms/token."""
-    first = generator.run(prompts, gen)
+    """The step's graph captured first (untimed, FastGenerator.prepare); then `repeats` timed runs, median
+    ms/token. (The first replay of a graph also uploads it: well under 1 ms, in the first timed run.)"""
+    start = time.perf_counter()
+    generator.prepare(len(prompts), len(prompts[0]), gen)
+    capture_s = time.perf_counter() - start
     runs = [generator.run(prompts, gen) for _ in range(repeats)]
     ms = statistics.median(r["ms_per_token"] for r in runs)
     return {"ms_per_token": ms, "tokens_per_s": len(prompts) * 1000 / ms,
-            "prefill_ms": statistics.median(r["prefill_ms"] for r in runs), "runs_ms_per_token":
-            [r["ms_per_token"] for r in runs], "cuda_graph": first["cuda_graph"] and all(r["cuda_graph"] for r in runs),
-            "same_tokens_as_first_run": all(r["token_ids"] == first["token_ids"] for r in runs)}
+            "prefill_ms": statistics.median(r["prefill_ms"] for r in runs), "capture_s": capture_s,
+            "runs_ms_per_token": [r["ms_per_token"] for r in runs], "cuda_graph": all(r["cuda_graph"] for r in runs),
+            "same_tokens_in_every_run": all(r["token_ids"] == runs[0]["token_ids"] for r in runs)}
 
 
 def stubbed_step_ms(model, prompts, gen, repeats):
@@ -234,8 +239,9 @@ def run_format(fmt, model, args, results, vocab):
         for i, gen in enumerate(args.gen):
             prompts = prompts_for(batch, args.prompt_len, vocab, args.seed + batch)
             torch.cuda.reset_peak_memory_stats()
-            row = {"format": fmt, "batch": batch, "gen_tokens": gen, "served_bits": bits,
-                   "linear_bits_per_weight": bits_per_weight, **time_decode(generator, prompts, gen, args.repeats)}
+            repeats = args.repeats if gen < LONG else args.repeats_long
+            row = {"format": fmt, "batch": batch, "gen_tokens": gen, "served_bits": bits, "repeats": repeats,
+                   "linear_bits_per_weight": bits_per_weight, **time_decode(generator, prompts, gen, repeats)}
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             row["gb_per_s"] = step_bytes(model, batch, args.prompt_len + gen / 2) / (row["ms_per_token"] / 1000) / 1e9
             if i == 0 and not args.no_share:
@@ -304,6 +310,8 @@ def main():
     ap.add_argument("--gen", default="128,1024", help="comma list of generated token counts [%(default)s]")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per case, median reported [2; quick 1]")
+    ap.add_argument("--repeats-long", type=int, default=1,
+                    help=f"timed runs per case of {LONG} or more generated tokens [%(default)s]")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers [32, as Llama-2-7B]")
     ap.add_argument("--no-share", action="store_true", help="skip the step timing with the projections stubbed")
     ap.add_argument("--seed", type=int, default=0)
@@ -350,6 +358,7 @@ def main():
         Path(args.json).write_text(json.dumps({
             "device": device, "torch": torch.__version__, "config": {**LLAMA2_7B, "num_hidden_layers": cfg.num_layers},
             "prompt_len": args.prompt_len, "batches": args.batches, "gen": args.gen, "repeats": args.repeats,
+            "repeats_long": args.repeats_long,
             "group_size": GROUP, "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT},
             "streaming_gb_per_s": {"copy": copy_rate, "matvec": matvec_rate, "used": stream_rate},
             "seconds": round(total, 1), "results": results}, indent=2))

@@ -159,6 +159,12 @@ class FastGenerator:
             self.graphs[key] = (graph, state)
         return self.graphs[key]
 
+    def prepare(self, batch, prompt_len, max_new_tokens, sampling=Sampling()):
+        """Allocate the caches and capture the decode step for `batch` prompts of at most `prompt_len`
+        tokens and `max_new_tokens`, ahead of `run` (which otherwise does it on first use)."""
+        with torch.inference_mode():
+            self._prepared(batch, prompt_len + max_new_tokens, max_new_tokens, sampling, _picker(sampling, self.device))
+
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -49,27 +49,61 @@ CASES = [(arch, fmt, bits) for arch in LLAMA_FAMILY for fmt, bits in
          [("float", None), ("rtn", None), ("gptq", None), ("bcq", None), ("anyprec", 2), ("anyprec", 4)]]
 
 
+WORDS = ("the of and to in a is was for on as by with he at from that his it an were are which this be "
+         "first new city river north game season film album band song team war school town world year").split()
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tiny_tokenizer, data_dir, tmp_path_factory):
-    """checkpoint(arch, fmt) -> directory: the tiny float model of `arch` (std 0.3: greedy continuations vary),
-    or its artifact quantized in `fmt`, made once."""
+def corpus(tmp_path_factory):
+    """A seeded text of common words, as a calibration file: no dataset needed, on any machine."""
+    gen = torch.Generator().manual_seed(0)
+    words = [WORDS[i] for i in torch.randint(0, len(WORDS), (6000,), generator=gen).tolist()]
+    path = tmp_path_factory.mktemp("corpus") / "calibration.txt"
+    path.write_text("\n\n".join(" ".join(words[i : i + 60]) for i in range(0, len(words), 60)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    """A byte-level BPE tokenizer of 384 entries trained on the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([corpus.read_text()], trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def _checkpoints(tokenizer, corpus, tmp_path_factory, formats, sizes, nsamples, seqlen):
+    """checkpoint(arch, fmt) -> directory: the tiny float model of `arch`, or its artifact quantized in `fmt`
+    (calibrated on the corpus), made once."""
     made = {}
 
     def get(arch, fmt="float"):
         if (arch, fmt) not in made:
             if fmt == "float":
-                model = tiny_causal_lm(arch, vocab=len(tiny_tokenizer), max_positions=256, initializer_range=0.3,
-                                       seed=0, **({"attention_bias": True} if arch == "llama" else {}))
-                made[arch, fmt] = save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp(arch))
+                model = tiny_causal_lm(arch, vocab=len(tokenizer), max_positions=256, seed=0, **sizes,
+                                       **({"attention_bias": True} if arch == "llama" else {}))
+                made[arch, fmt] = save_tiny(model, tokenizer, tmp_path_factory.mktemp(arch))
             else:
-                method, params = FORMATS[fmt]
+                method, params = formats[fmt]
                 out = tmp_path_factory.mktemp("art") / f"{arch}-{fmt}"
-                quantize_checkpoint(str(get(arch)), out, method, params, nsamples=None if method in ("rtn", "bcq")
-                                    else 4, seqlen=32, data_dir=data_dir, progress=False)
+                quantize_checkpoint(str(get(arch)), out, method, params, calib=str(corpus),
+                                    nsamples=None if method in ("rtn", "bcq") else nsamples, seqlen=seqlen,
+                                    progress=False)
                 made[arch, fmt] = out
         return made[arch, fmt]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tokenizer, corpus, tmp_path_factory):
+    """Tiny CPU models (std 0.3: greedy continuations vary) and their artifacts."""
+    return _checkpoints(tokenizer, corpus, tmp_path_factory, FORMATS, {"initializer_range": 0.3}, 4, 32)
 
 
 def load_pair(checkpoint, arch, fmt, bits=None, device="cpu", dtype=None):
@@ -157,10 +191,14 @@ def test_config_is_read_from_the_transformers_config():
     assert (llama.rope_type, llama.rope_theta, llama.rope_factor, llama.rope_original_max_positions) == (
         "llama3", 500000.0, 8.0, 64)
     assert llama.tie_word_embeddings and llama.rms_norm_eps == 1e-5 and llama.eos_token_ids == (5, 9)
-    assert not llama.qk_norm and llama.sliding_window is None
+    assert not llama.qk_norm and llama.sliding_window is None and not llama.attention_bias
     qwen3 = DecoderConfig.from_transformers(Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32,
                                                         num_hidden_layers=1))
     assert qwen3.qk_norm and qwen3.head_dim == 32
+    from transformers import Qwen2Config
+
+    assert DecoderConfig.from_transformers(Qwen2Config()).attention_bias
+    assert DecoderConfig.from_transformers(LlamaConfig(attention_bias=True)).attention_bias
     assert DecoderConfig.from_transformers(MistralConfig(sliding_window=256)).sliding_window == 256
     with pytest.raises(UnsupportedModel, match="serves"):
         DecoderConfig.from_transformers(tiny_causal_lm("opt", vocab=50, hidden=32, intermediate=64, layers=1,
@@ -314,13 +352,38 @@ def test_unknown_tensors_are_refused(checkpoint, tmp_path):
         decoder_from_transformers(model)
 
 
-def test_cli_falls_back_for_other_architectures(tiny_tokenizer, tmp_path):
+def test_a_config_and_weights_that_disagree_are_refused(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint("qwen2"))
+    model.config.model_type = "llama"  # a llama without attention_bias: the q/k/v biases have no place
+    with pytest.raises(QuantkitError, match="attention_bias"):
+        decoder_from_transformers(model)
+
+
+def test_chat_prompts_go_through_the_template(checkpoint):
+    from transformers import AutoTokenizer
+
+    from quantkit.runtime.generate import encode_prompts, generate
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast = load_pair(checkpoint, "llama", "bcq")[1]
+    (ids,) = encode_prompts(tokenizer, ["Tell me"], chat=True)
+    assert ids == tokenizer("<s>user: Tell me</s><s>assistant:", add_special_tokens=False)["input_ids"]
+    chat = generate(fast, tokenizer, ["Tell me"], max_new_tokens=6, chat=True)
+    plain = FastGenerator(fast).run([ids], 6)
+    assert chat["token_ids"] == plain["token_ids"] and chat["prompt_tokens"] == [len(ids)]
+
+
+def test_cli_falls_back_for_other_architectures(tokenizer, tmp_path):
     from click.testing import CliRunner
 
     from quantkit.cli import main
 
-    opt = save_tiny(tiny_causal_lm("opt", vocab=len(tiny_tokenizer), hidden=32, intermediate=64, layers=1, heads=2,
-                                   max_positions=64), tiny_tokenizer, tmp_path / "opt")
+    opt = save_tiny(tiny_causal_lm("opt", vocab=len(tokenizer), hidden=32, intermediate=64, layers=1, heads=2,
+                                   max_positions=64), tokenizer, tmp_path / "opt")
     result = CliRunner().invoke(main, ["generate", "--model", str(opt), "--prompt", "The", "--max-new-tokens", "3",
                                        "--runtime", "fast"])
     assert result.exit_code == 2 and "fast decoder serves" in result.output
@@ -486,23 +549,8 @@ GPU_FORMATS = {"float": None, "rtn": ("rtn", {"bits": 4, "group_size": 128}),
 
 
 @pytest.fixture(scope="module")
-def gpu_checkpoint(tiny_tokenizer, data_dir, tmp_path_factory):
-    made = {}
-
-    def get(arch, fmt="float"):
-        if (arch, fmt) not in made:
-            if fmt == "float":
-                model = tiny_causal_lm(arch, vocab=len(tiny_tokenizer), max_positions=256, seed=0, **GPU_MODEL)
-                made[arch, fmt] = save_tiny(model, tiny_tokenizer, tmp_path_factory.mktemp(f"gpu-{arch}"))
-            else:
-                method, params = GPU_FORMATS[fmt]
-                out = tmp_path_factory.mktemp("gpu-art") / f"{arch}-{fmt}"
-                quantize_checkpoint(str(get(arch)), out, method, params, nsamples=None if method in ("rtn", "bcq")
-                                    else 8, seqlen=64, data_dir=data_dir, progress=False)
-                made[arch, fmt] = out
-        return made[arch, fmt]
-
-    return get
+def gpu_checkpoint(tokenizer, corpus, tmp_path_factory):
+    return _checkpoints(tokenizer, corpus, tmp_path_factory, GPU_FORMATS, GPU_MODEL, 8, 64)
 
 
 def _gpu_prompts(batch=3):

@@ -17,8 +17,9 @@ A decode step of one layer, on CUDA with the LUT kernels (BCQ, and uniform via i
   (fp16, any-precision, layers with a bias) hand their finished outputs to the same operators.
 
 Everything is read from the transformers config object (`DecoderConfig.from_transformers`), nothing from
-transformers' code. Qwen3's per-head q/k RMSNorm comes before the rotation; q/k/v biases (Qwen2) and any
-other bias come with the weights. Rotary: default, linear and llama3 frequency scaling.
+transformers' code. Qwen3's per-head q/k RMSNorm comes before the rotation; q/k/v biases (Qwen2, or
+attention_bias) and any other bias come with the weights (runtime/weights.py checks that the q/k/v ones
+are there when the config says so). Rotary: default, linear and llama3 frequency scaling.
 """
 
 import math
@@ -53,6 +54,7 @@ class DecoderConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before the rotation
+    attention_bias: bool  # q/k/v have biases (Qwen2 always; Llama and Qwen3 with attention_bias)
     rope_theta: float
     rope_type: str = "default"  # one of ROPE_TYPES
     rope_factor: float = 1.0  # linear, llama3
@@ -83,6 +85,7 @@ class DecoderConfig:
                    rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings,
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    qk_norm=model_type == "qwen3", sliding_window=window,
+                   attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
                    eos_token_ids=tuple(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]),
                    **_rope_fields(config))
 

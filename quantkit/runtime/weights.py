@@ -152,7 +152,11 @@ def build_decoder(cfg: DecoderConfig, floats: dict, quantized: dict, device="cpu
     for i, block in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         for attr, names in GROUPS.items():
-            setattr(block, attr, projection([tensors.linear(prefix + n) for n in names], device, dtype, bits))
+            parts = [tensors.linear(prefix + n) for n in names]
+            if attr == "wqkv" and any(b is not None for _, b in parts) != cfg.attention_bias:
+                raise QuantkitError(f"{where}: layer {i} has {'no ' if cfg.attention_bias else ''}q/k/v biases, "
+                                    f"but its config says attention_bias={cfg.attention_bias}")
+            setattr(block, attr, projection(parts, device, dtype, bits))
         for attr, name in NORMS.items():
             if hasattr(block, attr):
                 norm = getattr(block, attr)

@@ -330,39 +330,43 @@ def main():
 
     cfg = DecoderConfig.from_transformers(LlamaConfig(**{**LLAMA2_7B, "num_hidden_layers": args.layers or 32}))
     started = time.perf_counter()
+    device = torch.cuda.get_device_name()
     copy_rate, matvec_rate = streaming_rates()
     stream_rate = max(copy_rate, matvec_rate)
     log(f"streaming: copy {copy_rate:.0f} GB/s (read + write), fp16 matvec {matvec_rate:.0f} GB/s")
     results = []
-    families = list(dict.fromkeys(family_of(f) for f in formats))
-    for family in families:
+
+    def write(complete):  # after every format: a run cut short still leaves its numbers
+        if args.json:
+            add_ratios(results, stream_rate)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({
+                "device": device, "torch": torch.__version__,
+                "config": {**LLAMA2_7B, "num_hidden_layers": cfg.num_layers}, "prompt_len": args.prompt_len,
+                "batches": args.batches, "gen": args.gen, "repeats": args.repeats, "repeats_long": args.repeats_long,
+                "group_size": GROUP, "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT},
+                "streaming_gb_per_s": {"copy": copy_rate, "matvec": matvec_rate, "used": stream_rate},
+                "seconds": round(time.perf_counter() - started, 1), "complete": complete, "results": results,
+                "goals": goal_lines(results, device)}, indent=2))
+
+    for family in dict.fromkeys(family_of(f) for f in formats):
         t0 = time.perf_counter()
         model = build_model(cfg, family, args.seed)
         log(f"{family}: built in {time.perf_counter() - t0:.1f} s")
         for fmt in (f for f in formats if family_of(f) == family):
             run_format(fmt, model, args, results, cfg.vocab_size)
+            write(complete=False)
         del model
         torch.cuda.empty_cache()
     add_ratios(results, stream_rate)
-    device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}; Llama-2-7B shapes, {cfg.num_layers} layers, prompt {args.prompt_len}, "
           f"greedy, fast decoder (runtime.generate.FastGenerator), one CUDA graph per step; streaming rate "
           f"{stream_rate:.0f} GB/s (copy {copy_rate:.0f}, matvec {matvec_rate:.0f})")
     print(table(results))
     for line in goal_lines(results, device):
         print(line)
-    total = time.perf_counter() - started
-    print(f"total {total:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "device": device, "torch": torch.__version__, "config": {**LLAMA2_7B, "num_hidden_layers": cfg.num_layers},
-            "prompt_len": args.prompt_len, "batches": args.batches, "gen": args.gen, "repeats": args.repeats,
-            "repeats_long": args.repeats_long,
-            "group_size": GROUP, "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT},
-            "streaming_gb_per_s": {"copy": copy_rate, "matvec": matvec_rate, "used": stream_rate},
-            "seconds": round(total, 1), "results": results}, indent=2))
-
+    print(f"total {time.perf_counter() - started:.0f} s")
+    write(complete=True)
 
 if __name__ == "__main__":
     main()

@@ -252,6 +252,18 @@ def test_sampling_is_seeded_and_its_limits_hold(checkpoint):
         assert generator.run(PROMPTS, NEW_TOKENS, limit)["token_ids"] == greedy  # one token left: the argmax
 
 
+def test_set_bits_serves_the_new_width(checkpoint):
+    """One generator across Decoder.set_bits: each width decodes as a decoder loaded at that width."""
+    fast = load_pair(checkpoint, "llama", "anyprec", bits=4)[1]
+    generator = FastGenerator(fast)
+    at4 = generator.run(PROMPTS, NEW_TOKENS)["token_ids"]
+    fast.set_bits(2)
+    at2 = generator.run(PROMPTS, NEW_TOKENS)["token_ids"]
+    assert at2 != at4
+    fresh = FastGenerator(load_pair(checkpoint, "llama", "anyprec", bits=2)[1])
+    assert at2 == fresh.run(PROMPTS, NEW_TOKENS)["token_ids"]
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0]).expand(40000, -1)
     torch.manual_seed(0)

@@ -100,8 +100,8 @@ class _StepState:
 class FastGenerator:
     """Generation with a fast Decoder: `run(prompt_ids, max_new_tokens, sampling, eos_ids, stop)`.
     use_graphs: capture the decode step in a CUDA graph (default: on CUDA). Graphs are kept per (batch,
-    cache length, sampling settings) until the caches are reallocated; capture again after changing the
-    model (Decoder.set_bits, new weights): `forget_graphs()`."""
+    cache length, sampling settings, Decoder.set_bits calls) until the caches are reallocated; after any
+    other change to the model (new weights) call `forget_graphs()`."""
 
     def __init__(self, model: Decoder, use_graphs=None):
         self.model = model
@@ -147,7 +147,8 @@ class FastGenerator:
         if self._caches is not self.model.caches:  # new cache tensors: graphs captured on the old ones are stale
             self.graphs.clear()
             self._caches = self.model.caches
-        key = (batch, max_len, max_new_tokens, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
+        key = (batch, max_len, max_new_tokens, self.model.weights_version, sampling.greedy, sampling.temperature,
+               sampling.top_k, sampling.top_p)
         if key not in self.graphs:
             state = self._state(batch, max_new_tokens)
             graph = None

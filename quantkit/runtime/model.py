@@ -31,6 +31,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import decode_attention, ops
+from quantkit.runtime.quant_linear import QuantLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -245,6 +246,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.caches, self.rope, self.counters = [], None, None
+        self.weights_version = 0  # counts set_bits calls: a graph captured before one is stale
         self.requires_grad_(False)
 
     @property
@@ -256,12 +258,11 @@ class Decoder(nn.Module):
         return self.embed.weight.dtype
 
     def set_bits(self, bits):
-        """Serve `bits` of every any-precision projection (QuantLinear.set_bits; capture graphs again after)."""
-        from quantkit.runtime.quant_linear import QuantLinear
-
+        """Serve `bits` of every any-precision projection (QuantLinear.set_bits; generators capture again)."""
         for module in self.modules():
             if isinstance(module, QuantLinear):
                 module.set_bits(bits)
+        self.weights_version += 1
 
     def setup_caches(self, batch, max_len):
         """Static KV caches for `batch` rows of up to `max_len` positions, rope tables, attention counters.

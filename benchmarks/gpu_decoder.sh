@@ -6,7 +6,7 @@
 #   e2e_decode.json                 (rewritten after every format: a run cut short keeps what it measured)
 #   e2e_decode.log, e2e_decode.stderr.log
 #   OUT=$OUT benchmarks/gpu_decoder.sh [bench_e2e_decode.py arguments...]     # ~6-7 min on an H100
-# TEST_LIMIT and BENCH_LIMIT (seconds) bound the two steps [200, 330].
+# TEST_LIMIT and BENCH_LIMIT (seconds) bound the two steps [180, 270]: with the builds, 8 minutes at most.
 set -u
 out=${OUT:?set OUT}
 mkdir -p "$out"
@@ -18,7 +18,7 @@ print('$k', 'built' if m else 'FAILED: %s' % build.unavailable_reason('$k'), rou
 done
 wait
 cat "$out"/build_*.log
-timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$out/gpu_tests.xml" \
+timeout "${TEST_LIMIT:-180}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$out/gpu_tests.xml" \
   tests/test_fast_model.py tests/test_decode_attention.py tests/test_add_norm.py tests/test_silu_mul.py \
   tests/test_runtime_cuda.py > "$out/gpu_tests.log" 2>&1
 echo "tests rc=$?" >> "$out/gpu_tests.log"
@@ -44,7 +44,7 @@ print("tests:", counts)
 EOF
 rm -f "$out/gpu_tests.xml"
 tail -n 5 "$out/gpu_tests.log"
-timeout "${BENCH_LIMIT:-330}" python3 benchmarks/bench_e2e_decode.py --json "$out/e2e_decode.json" "$@" \
+timeout "${BENCH_LIMIT:-270}" python3 benchmarks/bench_e2e_decode.py --json "$out/e2e_decode.json" "$@" \
   > "$out/e2e_decode.log" 2> "$out/e2e_decode.stderr.log"
 echo "bench rc=$?"
 cat "$out/e2e_decode.log"

@@ -224,6 +224,30 @@ def test_rope_frequencies_equal_transformers(rope):
                        LlamaRotaryEmbedding(config).inv_freq)
 
 
+def test_unfinished_sums_are_finished_and_cleared_by_their_consumers(checkpoint, monkeypatch):
+    """The LUT kernels' contract, emulated on the CPU: a bias-free projection may leave its fp32 sums in its
+    workspace, and the operator after it (attention, add + norm, SiLU·mul, the final norm) must round them as
+    the kernel's fp16 output and clear them. A decode with every such projection leaving sums equals, bit for
+    bit, one whose projections hand over their fp16-rounded outputs, and leaves every workspace zero."""
+    fast = load_pair(checkpoint, "mistral", "float")[1]
+    workspaces = {}
+
+    def leave_sums(module, x):
+        ws = workspaces.setdefault(module, torch.zeros(ops.MATVEC_MAX_ROWS * module.out_features))
+        assert not ws.any(), "the last call's sums were not cleared"
+        sums = ws[: x.shape[0] * module.out_features].view(x.shape[0], module.out_features)
+        sums += torch.nn.functional.linear(x, module.weight)
+        return sums
+
+    monkeypatch.setattr(ops, "project", lambda module, x: module(x).half().float())  # the kernel's fp16 output
+    tokens = torch.tensor([[3, 99, 12], [250, 7, 7], [31, 1, 200]])
+    monkeypatch.setattr(ops, "project_sums", leave_sums)
+    consumed = fast_logits(fast, PROMPTS, tokens)
+    assert len(workspaces) == 4 * fast.cfg.num_layers and not any(ws.any() for ws in workspaces.values())
+    monkeypatch.setattr(ops, "project_sums", lambda module, x: None)
+    assert torch.equal(consumed, fast_logits(fast, PROMPTS, tokens))
+
+
 # --- batches, sampling, stopping ---------------------------------------------------------------------------
 
 

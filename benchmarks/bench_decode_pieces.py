@@ -9,8 +9,9 @@ replays with CUDA events (median of 5); µs per call:
               FlexAttention masked by a position tensor, and runtime.decode_attention (split over the
               cache, positions past the current one not read)
   kv write    transformers' StaticLayer.update (arange + add for the position, an add_ to its counter,
-              two index_copy_), two plain index_copy_, and the two compiled together (runtime.generate)
-  add + norm  the residual add then the compiled RMSNorm (runtime.fusion), against both compiled together
+              two index_copy_), two plain index_copy_, and the two compiled together
+  add + norm  the residual add then a compiled RMSNorm, against both compiled together (the fast decoder
+              uses runtime.add_norm's Triton kernel instead: docs/decode-runtime.md)
 """
 
 import argparse

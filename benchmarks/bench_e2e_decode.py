@@ -1,38 +1,32 @@
-"""End-to-end greedy decode speed, batch 1, of a Llama-2-7B-shaped model: fp16 vs quantized linears.
+"""End-to-end decode speed of `quantkit generate`'s fast decoder, Llama-2-7B shapes: fp16 against quantized formats.
 
-  python benchmarks/bench_e2e_decode.py --json $OUT/e2e.json        # full: 32 layers, 128 + 1024 tokens, ~6 min
-  python benchmarks/bench_e2e_decode.py --quick                     # 8 layers, 32 + 128 tokens, fewer formats
+  python benchmarks/bench_e2e_decode.py --json $OUT/e2e.json     # every format, batch 1 and 8, 128 and 1024 tokens
+  python benchmarks/bench_e2e_decode.py --quick                  # 6 formats, one timed run each
 
-The model is built on the GPU from Llama-2-7B's config (hidden 4096, intermediate 11008, 32 layers and
-heads, vocab 32000) with transformers' random init (no download). Its 224 decoder linears are then
-replaced, in place, by QuantLinear modules built without calibration, one format at a time (speed does
-not depend on the values):
-  bcq-q3/q4-g128   random sign planes and α (LUT-GEMM's format, no offset)
-  gptq4-bcq-g128   RTN 4-bit g128 of the random weights, converted to BCQ (with its offset, rounded to fp16): the
-                   bytes and kernel of a GPTQ-4 artifact converted to BCQ (GPTQ only changes the values)
-  anyprec-k        one random 8-bit parent (random codes, random sorted tables for 3..8 bits), served
-                   at k = 3..8 through QuantLinear.set_bits on the same modules
-Decoding: prompt of 128 random tokens, prefill, then greedy decode steps from a transformers
-StaticCache, each step one CUDA-graph replay (quantkit.runtime.generate.StaticGreedyDecoder): no
-Python between kernels, the next token chosen on the GPU. Timed with CUDA events; ms/token is decode
-only (prefill apart), tokens/s = 1000 / (ms/token); e2e tokens/s also counts the prefill. Checked: the
-graph's first tokens equal eager decoding's. Share of the linears: 1 - (the same graph step with the 224
-decoder linears answering from a preallocated buffer, no kernel) / (the real step); the part outside
-them is attention, norms, RoPE, residuals, the head. Fusion "pointwise" (runtime.fusion) compiles the
-RMSNorms, the rotary embedding and SiLU*mul into one kernel each, adds each residual in the kernel of
-the norm after it, and with split attention rotates q/k inside the attention kernel; "full" also stacks
-q/k/v and gate/up into one linear each (one launch over the stacked rows). Attention "split" (the default)
-attends in decode
-steps with runtime.decode_attention (the cache split over many programs, positions past the current one
-not read; the kernel also writes the step's key and value into the cache), "sdpa" with transformers'
-SDPA over the whole masked cache.
-On Hopper every kernel of a fused layer (matvecs, add + norm, attention, SiLU·mul) launches with
-programmatic dependent launch (quantkit.kernels.overlap; QUANTKIT_OVERLAP=0 turns it off); cuBLAS does not.
-Fusion and attention apply to fp16 and every format alike, and speedups compare formats at the same
-fusion and attention.
-GB/s: bytes a decode step must read (linears as served, lm_head, norms, and the KV cache: all max_len
-positions under SDPA, which reads them masked, the positions up to the current one under split
-attention) / step time.
+The model is runtime.model's Decoder built from Llama-2-7B's config (hidden 4096, intermediate 11008, 32
+layers and heads, vocab 32000) by runtime.weights.build_decoder, the loader `quantkit generate` uses, from
+random tensors made on the GPU (speed does not depend on the values; no download):
+  fp16         random fp16 weights (q/k/v and gate/up stacked as for any model)
+  bcq-q3/q4    random sign planes and α, groups of 128, no offset (LUT-GEMM's format)
+  gptq4        random uniform 4-bit codes, fp16 scales and 4-bit zero points, groups of 128: the layout of a
+               GPTQ-4 / RTN-4 artifact, which the loader converts to BCQ on the GPU for the LUT kernels, the
+               fastest kernel serving uniform 4-bit today
+  anyprec-k    one random 8-bit parent (random codes, sorted random tables for 3..8 bits), served at k = 3..8
+               through Decoder.set_bits on the same model
+Decoding is runtime.generate.FastGenerator.run, the code `quantkit generate` runs: B random prompts of
+--prompt-len tokens, prefill, then each decode step one CUDA-graph replay (captured once per shape, untimed,
+by FastGenerator.prepare), greedy, no stop tokens; --repeats timed runs (--repeats-long from 512 tokens).
+ms/token = decode time / decode steps (prefill apart), host
+clock between synchronisations; tokens/s = B × 1000 / (ms/token). Speedup = fp16 ms/token / format ms/token
+at the same batch and length, fp16 measured in the same process.
+
+Also reported:
+  GB/s     bytes a decode step reads (projections as served, head, norms, the rows' embedding rows, and the
+           KV cache up to each row's position: prompt + gen/2 on average) / step time; for fp16, its
+           fraction of the card's streaming rate, measured here: the larger of a 2 GiB device copy
+           ((read + write) / time) and an fp16 matvec over a 1 GiB weight (weight bytes / time)
+  outside  share of the step outside the 224 decoder projections: the same step captured with every
+           projection answering from a preallocated buffer (no kernel) / the real step, at the first length
 """
 
 import argparse
@@ -46,419 +40,333 @@ from pathlib import Path
 import torch
 
 from quantkit.formats.anyprec import AnyPrecisionTensor
-from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform
-from quantkit.kernels.dispatch import kernel_forward
-from quantkit.methods import make_method
-from quantkit.runtime import QuantLinear
-from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
-from quantkit.runtime.generate import StaticGreedyDecoder
+from quantkit.formats.bcq import BCQQuantizedTensor
+from quantkit.formats.packing import pack_rows
+from quantkit.formats.uniform import UniformQuantizedTensor
+from quantkit.runtime import ops
+from quantkit.runtime.generate import FastGenerator
+from quantkit.runtime.model import DecoderConfig
+from quantkit.runtime.quant_linear import QuantLinear
+from quantkit.runtime.weights import GROUPS, build_decoder
 
 LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096}
-FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-bcq-g128"] + [f"anyprec-{k}" for k in range(3, 9)]
-QUICK_FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-bcq-g128", "anyprec-3", "anyprec-4", "anyprec-8"]
-# the goals (RESULTS.md, end-to-end decode): tokens/s over fp16 for 128 generated tokens
-GOALS = {"bcq-q3-g128": 2.5, "anyprec-3": 2.5, "bcq-q4-g128": 2.0, "gptq4-bcq-g128": 2.0, "anyprec-4": 2.0}
+             "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5}
+FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128"] + [f"anyprec-{k}" for k in range(3, 9)]
+QUICK_FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128", "anyprec-3", "anyprec-4"]
+# speedup over fp16 at batch 1 (and the fp16 step's fraction of the streaming rate), by card
+GOALS = {"H100": {"bcq-q3-g128": 3.2, "bcq-q4-g128": 2.7, "gptq4-g128": 2.7, "anyprec-3": 2.8},
+         "H200": {"bcq-q3-g128": 2.7, "bcq-q4-g128": 2.3, "anyprec-3": 2.4}}
+FP16_STREAM_GOAL = 0.8
 GROUP = 128
 ANYPREC_SEED, ANYPREC_PARENT = 3, 8
-CHECK_TOKENS = 16  # graph vs eager tokens compared
+LONG = 512  # generations of this many tokens or more are timed --repeats-long times
+LINEARS = [name for names in GROUPS.values() for name in names]
 
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-# --- model and formats -----------------------------------------------------------------------------
+# --- random weights in each format ---------------------------------------------------------------------
 
 
-def build_model(layers):
-    """Llama-2-7B shapes with `layers` decoder layers, fp16 on the GPU, transformers' random init there."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**LLAMA2_7B, "num_hidden_layers": layers})
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)  # built in fp16 directly: no 27 GB fp32 detour
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.config._attn_implementation = "sdpa"
-    return model.eval().requires_grad_(False)
+def _shape(cfg, name):
+    """(out_features, in_features) of a Llama linear."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i)}
+    return shapes[name.split(".")[-1]]
 
 
-def decoder_linears(model):
-    """{name: module} of the decoder layers' linears, float or QuantLinear (what quantization replaces,
-    and what a decode step runs; lm_head stays fp16)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear)) and ".layers." in n}
+def _ints(shape, gen):
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device="cuda", generator=gen)
 
 
-def random_bcq(k, d, bits, gen):
-    words, groups = d // 32, math.ceil(d / GROUP)
-    planes = torch.randint(-(2**31), 2**31 - 1, (bits, words, k), dtype=torch.int32, device="cuda", generator=gen)
-    # α_1 > α_2 > ... as greedy BCQ gives; magnitudes like the 0.02-std weights
-    alpha = 0.02 * torch.rand(groups, bits, k, device="cuda", generator=gen).add_(0.5)
-    alpha = alpha * torch.exp2(-torch.arange(bits, device="cuda", dtype=torch.float32)).view(1, -1, 1)
-    return BCQQuantizedTensor(qweight=planes, alpha=alpha.half(), offset=None, bits=bits, group_size=GROUP,
-                              in_features=d)
-
-
-def rtn_bcq(weight, bits):
-    ut, _ = make_method("rtn", bits=bits, group_size=GROUP).quantize(weight.float(), None)
-    return bcq_from_uniform(ut)
-
-
-def random_anyprec(k, d, gen):
-    planes = torch.randint(-(2**31), 2**31 - 1, (ANYPREC_PARENT, k, d // 32), dtype=torch.int32, device="cuda",
-                           generator=gen)
-    luts = {b: (0.02 * torch.randn(k, 2**b, device="cuda", generator=gen)).sort(dim=1).values.half()
-            for b in range(ANYPREC_SEED, ANYPREC_PARENT + 1)}
-    return AnyPrecisionTensor(planes=planes, luts=luts, seed_bits=ANYPREC_SEED, parent_bits=ANYPREC_PARENT,
-                              in_features=d)
-
-
-def make_qtensor(family, linear, gen):
-    k, d = linear.weight.shape
-    if d % 32:
-        raise SystemExit(f"in_features {d} is not a multiple of 32: random planes would set padding bits")
-    if family == "bcq-q3-g128":
-        return random_bcq(k, d, 3, gen)
-    if family == "bcq-q4-g128":
-        return random_bcq(k, d, 4, gen)
-    if family == "gptq4-bcq-g128":
-        return rtn_bcq(linear.weight, 4)
+def random_weight(family, k, d, gen):
+    """A random weight [k, d] of `family` on the GPU: an fp16 tensor or a QuantizedTensor."""
+    groups = math.ceil(d / GROUP)
+    if family == "fp16":
+        return 0.02 * torch.randn(k, d, device="cuda", dtype=torch.float16, generator=gen)
+    if family.startswith("bcq-q"):
+        bits = int(family[5])
+        alpha = 0.02 * torch.rand(groups, bits, k, device="cuda", generator=gen).add_(0.5)
+        alpha = alpha * torch.exp2(-torch.arange(bits, device="cuda", dtype=torch.float32)).view(1, -1, 1)
+        return BCQQuantizedTensor(qweight=_ints((bits, d // 32, k), gen), alpha=alpha.half(), offset=None, bits=bits,
+                                  group_size=GROUP, in_features=d)
+    if family == "gptq4-g128":
+        zeros = torch.randint(0, 16, (groups, k), device="cuda", generator=gen)
+        scales = (0.003 * torch.rand(k, groups, device="cuda", generator=gen) + 1e-3).half()
+        return UniformQuantizedTensor(qweight=_ints((k, d * 4 // 32), gen), scales=scales, qzeros=pack_rows(zeros, 4),
+                                      bits=4, group_size=GROUP, in_features=d, sym=False)
     if family == "anyprec":
-        return random_anyprec(k, d, gen)
+        luts = {b: (0.02 * torch.randn(k, 2**b, device="cuda", generator=gen)).sort(dim=1).values.half()
+                for b in range(ANYPREC_SEED, ANYPREC_PARENT + 1)}
+        return AnyPrecisionTensor(planes=_ints((ANYPREC_PARENT, k, d // 32), gen), luts=luts, seed_bits=ANYPREC_SEED,
+                                  parent_bits=ANYPREC_PARENT, in_features=d)
     raise ValueError(family)
 
 
-def install(model, dense, family, seed):
-    """Replace every decoder linear by a QuantLinear of `family`; returns {name: QuantLinear}."""
+def build_model(cfg, family, seed):
+    """The fast Decoder of `family` with random weights, through the loader `quantkit generate` uses."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    quant = {}
-    for name, linear in dense.items():
-        # cache_weight=False: memory stays at the packed size (prefill dequantizes per call)
-        quant[name] = QuantLinear(make_qtensor(family, linear, gen), None, compute_dtype=torch.float16,
-                                  cache_weight=False)
-        model.set_submodule(name, quant[name])
-    return quant
-
-
-def restore(model, dense):
-    for name, linear in dense.items():
-        model.set_submodule(name, linear)
+    h = cfg.hidden_size
+    floats = {"model.embed_tokens.weight": random_weight("fp16", cfg.vocab_size, h, gen),
+              "model.norm.weight": torch.ones(h, device="cuda", dtype=torch.float16),
+              "lm_head.weight": random_weight("fp16", cfg.vocab_size, h, gen)}
+    quantized = {}
+    for i in range(cfg.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            floats[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, device="cuda", dtype=torch.float16)
+        for name in LINEARS:
+            full = f"model.layers.{i}.{name}"
+            weight = random_weight(family, *_shape(cfg, name), gen)
+            if isinstance(weight, torch.Tensor):
+                floats[f"{full}.weight"] = weight
+            else:
+                quantized[full] = weight
+    return build_decoder(cfg, floats, quantized, device="cuda", dtype=torch.float16, where="random Llama-2-7B")
 
 
 def family_of(fmt):
     return "anyprec" if fmt.startswith("anyprec-") else fmt
 
 
-# --- bytes read per decode step --------------------------------------------------------------------
+# --- bytes and rates -----------------------------------------------------------------------------------
 
 
-def linear_bytes(modules):
+def projections(model):
+    return [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+
+
+def projection_bytes(model):
+    """Bytes the decoder projections read per step, as served (any-precision: the served planes and table)."""
     total = 0
-    for m in modules:
+    for m in projections(model):
         if isinstance(m, QuantLinear):
             qt = m.qtensor()
-            if m.meta["format"] == "anyprec":
-                total += qt.bits_read(m.bits) * m.in_features * m.out_features / 8
-            else:
-                total += qt.stored_bits() / 8
+            total += (qt.bits_read(m.bits) * m.in_features * m.out_features / 8 if m.meta["format"] == "anyprec"
+                      else qt.stored_bits() / 8)
         else:
             total += m.weight.numel() * m.weight.element_size()
     return total
 
 
-def step_bytes(model, linears, cached_positions):
-    """Bytes a decode step reads: linears as served, the rest of the weights it touches, the KV cache's
-    `cached_positions` (the whole static cache under SDPA; the mean attended under split attention)."""
-    cfg = model.config
-    others = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                 if ".layers." not in n or "norm" in n)
-    others -= model.model.embed_tokens.weight.numel() * 2  # a step reads one embedding row, not the table
-    if model.config.tie_word_embeddings:
-        others += model.model.embed_tokens.weight.numel() * 2
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * cached_positions * 2
-    return linear_bytes(linears) + others + kv
+def step_bytes(model, batch, mean_positions):
+    cfg = model.cfg
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2
+    head = model.lm_head.numel() * 2
+    embed_rows = batch * cfg.hidden_size * 2
+    kv = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * mean_positions * 2
+    return projection_bytes(model) + norms + head + embed_rows + kv
 
 
-# --- measurements ----------------------------------------------------------------------------------
+def streaming_rates():
+    """(copy GB/s counting read + write, fp16 matvec GB/s of weight bytes) on this card."""
 
-
-def kernel_serves(modules):
-    m = next(iter(modules))
-    if not isinstance(m, QuantLinear):
-        return True
-    x = torch.randn(1, 1, m.in_features, device="cuda", dtype=torch.float16)
-    with torch.inference_mode():
-        return kernel_forward(m, x) is not None
-
-
-def stub_forward(module, tokens):
-    """A forward for `module` answering from a preallocated buffer (a view: no kernel), contiguous like a
-    real output so compiled consumers (SiLU·mul) see the layouts they run on; up to `tokens` rows."""
-    n = module.out_features
-    buffer = torch.zeros(tokens * n, device="cuda", dtype=torch.float16)
-    return lambda x: buffer[: x.shape[0] * x.shape[1] * n].view(x.shape[0], x.shape[1], n)
-
-
-def captured_step_ms(model, prompt, max_len, steps, attention):
-    """(ms per CUDA-graph decode step over `steps` replays after a prefill of `prompt`, the decoder)."""
-    decoder = StaticGreedyDecoder(model, max_len=max_len, attention=attention)
-    decoder.prefill(prompt)
-    decoder.capture()
-    decoder.prefill(prompt)
-    decoder.steps(4)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    decoder.steps(steps)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps, decoder
-
-
-def linear_free_ms(model, modules, prompt, max_len, steps, attention):
-    """ms per CUDA-graph decode step with every module of `modules` stubbed (stub_forward), the rest of
-    the step unchanged: the time a step spends outside those linears."""
-    for m in modules:
-        m.forward = stub_forward(m, prompt.numel())
-        if isinstance(m, QuantLinear):
-            m.accumulate = lambda x: None  # fused layers then call the stub instead of the kernel's sums
-    try:
-        return captured_step_ms(model, prompt, max_len, steps, attention)[0]
-    finally:
-        for m in modules:
-            del m.forward  # back to the class's forward
-            m.__dict__.pop("accumulate", None)
-
-
-def time_decode(model, prompt, gen, repeats, use_graph, attention, share_modules=None):
-    """One format, one generation length: check, capture, timed runs, optional linear-free step."""
-    out = {"gen_tokens": gen}
-    decoder = StaticGreedyDecoder(model, max_len=prompt.shape[1] + gen, attention=attention)
-    check = min(CHECK_TOKENS, gen)
-    eager = decoder.generate(prompt, check)  # also the kernels' first use, outside any capture
-    if use_graph:
-        start = time.perf_counter()
-        try:
-            decoder.capture()
-            out["capture_s"] = round(time.perf_counter() - start, 3)
-        except Exception as exc:  # fall back to eager steps and say so
-            decoder.graph = None
-            out["graph_error"] = f"{type(exc).__name__}: {exc}"
-    out["cuda_graph"] = decoder.graph is not None
-    decoder.prefill(prompt)
-    decoder.steps(min(8, gen - 1))  # first replays (graph upload) untimed
-    runs = []
-    for _ in range(repeats):
+    def timed(fn, reps=10):
+        fn()
         torch.cuda.synchronize()
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        marks[0].record()
-        first = decoder.prefill(prompt)
-        marks[1].record()
-        rest = decoder.steps(gen - 1)
-        marks[2].record()
-        marks[2].synchronize()
-        runs.append((marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])))
-        tokens = torch.cat([first, rest], dim=1)
-    prefill_ms = statistics.median(r[0] for r in runs)
-    decode_ms = statistics.median(r[1] for r in runs)
-    ms_token = decode_ms / (gen - 1)
-    out.update(prefill_ms=prefill_ms, decode_ms=decode_ms, ms_per_token=ms_token, tokens_per_s=1000 / ms_token,
-               e2e_tokens_per_s=1000 * gen / (prefill_ms + decode_ms), runs_ms=runs,
-               graph_eager_agreement=(tokens[:, :check] == eager).float().mean().item(),
-               max_len=decoder.max_len, split_attention=decoder.split_attention)
-    del decoder
-    if share_modules is not None and out["cuda_graph"]:
-        out["linear_free_ms"] = linear_free_ms(model, share_modules, prompt, out["max_len"], gen - 6, attention)
-        out["linear_share"] = 1 - out["linear_free_ms"] / ms_token
-    return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / reps
+
+    def copy_rate():
+        src = torch.ones(2**30, dtype=torch.float16, device="cuda")  # 2 GiB
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * 2 / timed(lambda: dst.copy_(src)) / 1e9
+
+    def matvec_rate():
+        weight = torch.randn(32768, 16384, device="cuda", dtype=torch.float16)  # 1 GiB
+        x = torch.randn(1, 16384, device="cuda", dtype=torch.float16)
+        return weight.numel() * 2 / timed(lambda: torch.nn.functional.linear(x, weight)) / 1e9
+
+    rates = copy_rate(), matvec_rate()
+    torch.cuda.empty_cache()
+    return rates
 
 
-def run_format(fmt, fusion, attention, model, modules, prompt, args, results):
+# --- timing --------------------------------------------------------------------------------------------
+
+
+def prompts_for(batch, length, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def time_decode(generator, prompts, gen, repeats):
+    """The step's graph captured first (untimed, FastGenerator.prepare); then `repeats` timed runs, median
+    ms/token. (The first replay of a graph also uploads it: well under 1 ms, in the first timed run.)"""
     start = time.perf_counter()
-    serves = kernel_serves(modules)  # the first probe of a format builds its extension (minutes, once)
-    if time.perf_counter() - start > 5:
-        log(f"  kernel probe (first use: build) took {time.perf_counter() - start:.0f} s")
-    bits = None
-    if fmt.startswith("anyprec-"):
-        bits = int(fmt.split("-")[1])
-        for m in modules:
-            m.set_bits(bits)
-    stacking = fuse_projections(model) if fusion == "full" else None  # after set_bits: stacks copy the bit-width
+    generator.prepare(len(prompts), len(prompts[0]), gen)
+    capture_s = time.perf_counter() - start
+    runs = [generator.run(prompts, gen) for _ in range(repeats)]
+    ms = statistics.median(r["ms_per_token"] for r in runs)
+    return {"ms_per_token": ms, "tokens_per_s": len(prompts) * 1000 / ms,
+            "prefill_ms": statistics.median(r["prefill_ms"] for r in runs), "capture_s": capture_s,
+            "runs_ms_per_token": [r["ms_per_token"] for r in runs], "cuda_graph": all(r["cuda_graph"] for r in runs),
+            "same_tokens_in_every_run": all(r["token_ids"] == runs[0]["token_ids"] for r in runs)}
+
+
+def stubbed_step_ms(model, prompts, gen, repeats):
+    """ms/token of the same generation with every decoder projection answering from one preallocated buffer
+    (a view: no kernel) and leaving no sums: the step outside the projections."""
+    rows = len(prompts) * len(prompts[0])
+    widest = max(m.out_features for m in projections(model))
+    buffer = torch.zeros(rows * widest, dtype=model.dtype, device="cuda")
+    project, project_sums = ops.project, ops.project_sums
+    ops.project = lambda module, x: buffer[: x.numel() // x.shape[-1] * module.out_features].view(
+        *x.shape[:-1], module.out_features)
+    ops.project_sums = lambda module, x: None
     try:
-        in_use = list(decoder_linears(model).values())  # the stacked modules instead of q/k/v, gate/up when fused
-        _run_lengths(fmt, fusion, attention, bits, model, modules, in_use, prompt, args, results, serves)
+        return time_decode(FastGenerator(model), prompts, gen, repeats)["ms_per_token"]
     finally:
-        if stacking is not None:
-            stacking.undo()
+        ops.project, ops.project_sums = project, project_sums
 
 
-def _run_lengths(fmt, fusion, attention, bits, model, modules, in_use, prompt, args, results, serves):
-    """Every generation length of one format and fusion; bytes and bits/w count the unstacked `modules`."""
-    linears_read = linear_bytes(modules)
-    numel = sum(m.in_features * m.out_features for m in modules)
-    for i, gen in enumerate(args.gen):
-        if not serves and not args.include_reference:
-            log(f"  {fmt}: no CUDA kernel serves it; skipped (--include-reference times the PyTorch path)")
-            results.append({"format": fmt, "fusion": fusion, "attention": attention, "gen_tokens": gen,
-                            "skipped": "no kernel"})
-            continue
-        torch.cuda.reset_peak_memory_stats()
-        row = time_decode(model, prompt, gen, args.repeats, not args.no_graph, attention,
-                          share_modules=in_use if i == 0 and not args.no_share else None)
-        row.update(format=fmt, fusion=fusion, attention=attention, served_bits=bits, kernel=serves,
-                   linear_bits_per_weight=8 * linears_read / numel, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
-        # split attention reads positions 0..current only: prompt + gen / 2 of them on average
-        cached = (prompt.shape[1] + gen / 2) if row["split_attention"] else row["max_len"]
-        row["gb_per_s"] = step_bytes(model, modules, cached) / (row["ms_per_token"] / 1000) / 1e9
-        results.append(row)
-        log(f"  {fmt} ({fusion}, {attention}) gen {gen}: {row['ms_per_token']:.3f} ms/token, "
-            f"{row['tokens_per_s']:.1f} tokens/s"
-            + ("" if row["cuda_graph"] else "  (eager: " + row.get("graph_error", "--no-graph") + ")"))
+def run_format(fmt, model, args, results, vocab):
+    bits = int(fmt.split("-")[1]) if fmt.startswith("anyprec-") else None
+    if bits is not None:
+        model.set_bits(bits)
+    numel = sum(m.in_features * m.out_features for m in projections(model))
+    bits_per_weight = 8 * projection_bytes(model) / numel
+    for batch in args.batches:
+        generator = FastGenerator(model)
+        for i, gen in enumerate(args.gen):
+            prompts = prompts_for(batch, args.prompt_len, vocab, args.seed + batch)
+            torch.cuda.reset_peak_memory_stats()
+            repeats = args.repeats if gen < LONG else args.repeats_long
+            row = {"format": fmt, "batch": batch, "gen_tokens": gen, "served_bits": bits, "repeats": repeats,
+                   "linear_bits_per_weight": bits_per_weight, **time_decode(generator, prompts, gen, repeats)}
+            row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            row["gb_per_s"] = step_bytes(model, batch, args.prompt_len + gen / 2) / (row["ms_per_token"] / 1000) / 1e9
+            if i == 0 and not args.no_share:
+                row["outside_ms"] = stubbed_step_ms(model, prompts, gen, 1)
+                row["outside_share"] = row["outside_ms"] / row["ms_per_token"]
+            results.append(row)
+            log(f"  {fmt} batch {batch} gen {gen}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} "
+                f"tokens/s" + ("" if row["cuda_graph"] else "  (NO CUDA graph)"))
+        del generator
         torch.cuda.empty_cache()
 
 
-# --- report ----------------------------------------------------------------------------------------
+# --- report --------------------------------------------------------------------------------------------
 
 
-def add_speedups(results):
-    """Speedup over fp16 with the same fusion, attention and generation length."""
-    base = {(r["fusion"], r["attention"], r["gen_tokens"]): r["tokens_per_s"] for r in results
-            if r["format"] == "fp16" and "tokens_per_s" in r}
+def add_ratios(results, stream_rate):
+    base = {(r["batch"], r["gen_tokens"]): r["ms_per_token"] for r in results if r["format"] == "fp16"}
     for r in results:
-        key = (r["fusion"], r["attention"], r["gen_tokens"])
-        if "tokens_per_s" in r and key in base:
-            r["speedup"] = r["tokens_per_s"] / base[key]
+        key = (r["batch"], r["gen_tokens"])
+        if key in base:
+            r["speedup"] = base[key] / r["ms_per_token"]
+        if r["format"] == "fp16":
+            r["stream_fraction"] = r["gb_per_s"] / stream_rate
 
 
 def table(results):
-    cols = ["format", "fusion", "attention", "bits/w", "gen", "ms/token", "tokens/s", "speedup", "e2e tok/s",
-            "prefill ms", "GB/s", "linear share", "graph", "graph=eager", "peak GB"]
+    cols = ["format", "bits/w", "batch", "gen", "ms/token", "tokens/s", "speedup", "prefill ms", "GB/s", "of stream",
+            "outside", "graph", "peak GB"]
     rows = []
     for r in results:
-        if "skipped" in r:
-            rows.append([r["format"], r["fusion"], r["attention"], "-", str(r["gen_tokens"]),
-                         f"skipped: {r['skipped']}"] + ["-"] * 9)
-            continue
-        share = r.get("linear_share")
-        attention = r["attention"] if r["split_attention"] or r["attention"] == "sdpa" else "sdpa (no Triton)"
-        rows.append([r["format"], r["fusion"], attention, f"{r['linear_bits_per_weight']:.3f}", str(r["gen_tokens"]),
+        share = r.get("outside_share")
+        rows.append([r["format"], f"{r['linear_bits_per_weight']:.3f}", str(r["batch"]), str(r["gen_tokens"]),
                      f"{r['ms_per_token']:.3f}", f"{r['tokens_per_s']:.1f}",
-                     f"{r['speedup']:.2f}x" if "speedup" in r else "-", f"{r['e2e_tokens_per_s']:.1f}",
-                     f"{r['prefill_ms']:.1f}", f"{r['gb_per_s']:.0f}", "-" if share is None else f"{share:.1%}",
-                     "yes" if r["cuda_graph"] else "NO", f"{r['graph_eager_agreement']:.2f}", f"{r['peak_gb']:.1f}"])
+                     f"{r['speedup']:.2f}x" if "speedup" in r else "-", f"{r['prefill_ms']:.1f}",
+                     f"{r['gb_per_s']:.0f}", f"{r['stream_fraction']:.1%}" if "stream_fraction" in r else "-",
+                     "-" if share is None else f"{share:.1%}", "yes" if r["cuda_graph"] else "NO",
+                     f"{r['peak_gb']:.1f}"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows])
 
 
-def goal_lines(results, gen, fusions, attentions):
+def goal_lines(results, device_name):
+    card = "H200" if "H200" in device_name else "H100"
     lines = []
-    for fusion in fusions:
-        for attention in attentions:
-            for fmt, goal in GOALS.items():
-                row = next((r for r in results if r["format"] == fmt and r["fusion"] == fusion
-                            and r["attention"] == attention and r["gen_tokens"] == gen and "speedup" in r), None)
-                if row is not None:
-                    verdict = "met" if row["speedup"] >= goal else "MISSED"
-                    lines.append(f"goal {fmt} >= {goal}x fp16 at {gen} tokens ({fusion}, {attention}): "
-                                 f"{row['speedup']:.2f}x {verdict}")
+    for r in results:
+        if r["batch"] != 1:
+            continue
+        goal = GOALS[card].get(r["format"])
+        if goal is not None and "speedup" in r:
+            verdict = "met" if r["speedup"] >= goal else "MISSED"
+            lines.append(f"goal ({card}) {r['format']} >= {goal}x fp16, batch 1, {r['gen_tokens']} tokens: "
+                         f"{r['speedup']:.2f}x {verdict}")
+        if r["format"] == "fp16":
+            verdict = "met" if r["stream_fraction"] >= FP16_STREAM_GOAL else "MISSED"
+            lines.append(f"goal fp16 >= {FP16_STREAM_GOAL:.0%} of the streaming rate, {r['gen_tokens']} tokens: "
+                         f"{r['stream_fraction']:.1%} {verdict}")
     return lines
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 layers, 32 + 128 tokens, 7 formats, 1 repeat")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers [32; quick 8]")
+    ap.add_argument("--quick", action="store_true", help=f"formats {','.join(QUICK_FORMATS)}, 1 timed run each")
+    ap.add_argument("--formats", default=None, help=f"comma list from {','.join(FORMATS)} [all]")
+    ap.add_argument("--batches", default="1,8", help="comma list of batch sizes [%(default)s]")
+    ap.add_argument("--gen", default="128,1024", help="comma list of generated token counts [%(default)s]")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen", default=None, help="comma list of generated token counts [128,1024; quick 32,128]")
-    ap.add_argument("--formats", default=None, help=f"comma list from {','.join(FORMATS)}")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per length, median reported [2; quick 1]")
-    ap.add_argument("--no-graph", action="store_true", help="time eager decode steps (shows Python overhead)")
-    ap.add_argument("--no-share", action="store_true", help="skip the linear-free step timing (linear share)")
-    ap.add_argument("--fusion", default="none,pointwise,full",
-                    help="comma list of: none; pointwise (RMSNorm, rotary and SiLU*mul compiled, residual adds in the "
-                         "norms' kernels); full (pointwise, "
-                         "and q/k/v and gate/up stacked into one linear each); runtime.fusion, applied to fp16 and "
-                         "every format alike [%(default)s]")
-    ap.add_argument("--attention", default="split",
-                    help="comma list of: split (runtime.decode_attention in decode steps, which also writes "
-                         "the cache; SDPA where Triton is missing); sdpa (transformers' SDPA over the masked "
-                         "static cache) [%(default)s]")
-    ap.add_argument("--include-reference", action="store_true",
-                    help="also time formats no kernel serves (PyTorch dequantize per call: slow)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per case, median reported [2; quick 1]")
+    ap.add_argument("--repeats-long", type=int, default=1,
+                    help=f"timed runs per case of {LONG} or more generated tokens [%(default)s]")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers [32, as Llama-2-7B]")
+    ap.add_argument("--no-share", action="store_true", help="skip the step timing with the projections stubbed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    args.layers = args.layers or (8 if args.quick else 32)
-    args.gen = [int(g) for g in (args.gen or ("32,128" if args.quick else "128,1024")).split(",")]
-    args.repeats = args.repeats or (1 if args.quick else 2)
     formats = args.formats.split(",") if args.formats else (QUICK_FORMATS if args.quick else FORMATS)
     unknown = [f for f in formats if f not in FORMATS]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.gen = [int(g) for g in args.gen.split(",")]
+    args.repeats = args.repeats or (1 if args.quick else 2)
     if unknown or min(args.gen) < 2:
         raise SystemExit(f"unknown formats {unknown}" if unknown else "--gen values must be at least 2")
+    from transformers import LlamaConfig
 
-    torch.manual_seed(args.seed)
+    cfg = DecoderConfig.from_transformers(LlamaConfig(**{**LLAMA2_7B, "num_hidden_layers": args.layers or 32}))
     started = time.perf_counter()
-    model = build_model(args.layers)
-    dense = decoder_linears(model)
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device="cuda",
-                           generator=torch.Generator(device="cuda").manual_seed(args.seed))
-    log(f"model: {args.layers} layers, {len(dense)} linears, built in {time.perf_counter() - started:.1f} s")
+    device = torch.cuda.get_device_name()
+    copy_rate, matvec_rate = streaming_rates()
+    stream_rate = max(copy_rate, matvec_rate)
+    log(f"streaming: copy {copy_rate:.0f} GB/s (read + write), fp16 matvec {matvec_rate:.0f} GB/s")
     results = []
-    fusions = args.fusion.split(",")
-    if not fusions or set(fusions) - {"none", "pointwise", "full"}:
-        raise SystemExit(f"--fusion takes none, pointwise, full; got {args.fusion}")
-    attentions = args.attention.split(",")
-    if not attentions or set(attentions) - set(StaticGreedyDecoder.ATTENTION_MODES):
-        raise SystemExit(f"--attention takes {', '.join(StaticGreedyDecoder.ATTENTION_MODES)}; got {args.attention}")
-    families = []
-    for fmt in formats:
-        if family_of(fmt) not in families:
-            families.append(family_of(fmt))
-    for family in families:
+
+    def write(complete):  # after every format: a run cut short still leaves its numbers
+        if args.json:
+            add_ratios(results, stream_rate)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({
+                "device": device, "torch": torch.__version__,
+                "config": {**LLAMA2_7B, "num_hidden_layers": cfg.num_layers}, "prompt_len": args.prompt_len,
+                "batches": args.batches, "gen": args.gen, "repeats": args.repeats, "repeats_long": args.repeats_long,
+                "group_size": GROUP, "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT},
+                "streaming_gb_per_s": {"copy": copy_rate, "matvec": matvec_rate, "used": stream_rate},
+                "seconds": round(time.perf_counter() - started, 1), "complete": complete, "results": results,
+                "goals": goal_lines(results, device)}, indent=2))
+
+    for family in dict.fromkeys(family_of(f) for f in formats):
         t0 = time.perf_counter()
-        modules = list(dense.values()) if family == "fp16" else list(install(model, dense, family, args.seed).values())
+        model = build_model(cfg, family, args.seed)
         log(f"{family}: built in {time.perf_counter() - t0:.1f} s")
         for fmt in (f for f in formats if family_of(f) == family):
-            for fusion in fusions:
-                if fusion in ("pointwise", "full"):
-                    fuse_pointwise(model)
-                for attention in attentions:
-                    run_format(fmt, fusion, attention, model, modules, prompt, args, results)
-                unfuse_pointwise(model)
-        restore(model, dense)
-        del modules
+            run_format(fmt, model, args, results, cfg.vocab_size)
+            write(complete=False)
+        del model
         torch.cuda.empty_cache()
-    add_speedups(results)
-
-    props = torch.cuda.get_device_properties(0)
-    import transformers
-
-    print(f"{props.name}, torch {torch.__version__}, transformers {transformers.__version__}; Llama-2-7B shapes, "
-          f"{args.layers} layers, batch 1, prompt {args.prompt_len}, greedy, static cache + CUDA graph per step")
+    add_ratios(results, stream_rate)
+    print(f"{device}, torch {torch.__version__}; Llama-2-7B shapes, {cfg.num_layers} layers, prompt {args.prompt_len}, "
+          f"greedy, fast decoder (runtime.generate.FastGenerator), one CUDA graph per step; streaming rate "
+          f"{stream_rate:.0f} GB/s (copy {copy_rate:.0f}, matvec {matvec_rate:.0f})")
     print(table(results))
-    for line in goal_lines(results, args.gen[0], fusions, attentions):
+    for line in goal_lines(results, device):
         print(line)
-    total = time.perf_counter() - started
-    print(f"total {total:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "device": props.name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": {**LLAMA2_7B, "num_hidden_layers": args.layers}, "prompt_len": args.prompt_len,
-            "gen": args.gen, "repeats": args.repeats, "group_size": GROUP, "fusions": fusions,
-            "attentions": attentions,
-            "anyprec": {"seed_bits": ANYPREC_SEED, "parent_bits": ANYPREC_PARENT}, "seconds": round(total, 1),
-            "results": results}, indent=2))
-
+    print(f"total {time.perf_counter() - started:.0f} s")
+    write(complete=True)
 
 if __name__ == "__main__":
     main()

@@ -566,37 +566,46 @@ def eval_tasks(models, task_list, include_path, num_fewshot, limit, batch_size, 
 @click.option("--model", "models", multiple=True, default=[settings.DEFAULT_MODEL_ALIAS], show_default=True,
               help="quantkit artifact, or a float checkpoint (HF dir, hub id, .gguf, 'smollm2') to compare; "
                    "repeatable.")
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Text to complete; repeat for a batch.")
+@click.option("--prompt", "prompts", multiple=True, required=True,
+              help="Text to complete; repeat for a batch (1-8 prompts decode together, any lengths).")
+@click.option("--chat", is_flag=True, help="Send each prompt as a user turn through the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--greedy/--sample", default=True, show_default=True, help="Argmax decoding, or sampling.")
 @click.option("--temperature", type=float, default=0.7, show_default=True, help="--sample: softmax temperature.")
+@click.option("--top-k", type=int, default=0, show_default=True,
+              help="--sample: keep the k most likely tokens (0: all).")
 @click.option("--top-p", type=float, default=0.9, show_default=True, help="--sample: nucleus probability mass.")
 @click.option("--seed", type=int, default=0, show_default=True, help="--sample: random seed.")
+@click.option("--stop", "stop_strings", multiple=True,
+              help="End a completion where this text appears (left out of the text); repeatable. End-of-sequence "
+                   "tokens always end it.")
 @click.option("--bits", type=int, default=None,
               help="Any-precision artifacts: serve this bit-width (seed..parent) [default: the parent width].")
 @click.option("--device", default=None, help="cpu or cuda [default: cuda if available]; on cuda the kernels serve.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               help="Compute dtype " + DTYPE_AUTO + ".")
+@click.option("--runtime", type=click.Choice(["auto", "fast", "transformers"]), default="auto", show_default=True,
+              help="fast: quantkit's own Llama-family decoder (CUDA graphs on CUDA); transformers: the transformers "
+                   "model with QuantLinear modules (the reference); auto: fast on CUDA where it serves the "
+                   "architecture.")
 @click.option("--no-verify", is_flag=True, help="Skip the artifact checksum check (faster load).")
-@click.option("--static-cache", is_flag=True,
-              help="Greedy decoding from a static KV cache, each step one CUDA-graph replay on CUDA: the speed the "
-                   "kernels allow (prompts must tokenize to one length; decode time only, prefill apart).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help='Also write completions and timing as JSON: {"runs": [one object per model]}.')
-def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, bits, device, dtype, no_verify,
-             static_cache, json_path):
-    """Complete prompts with a model (KV cache on) and print the text and tokens/s.
+def generate(models, prompts, chat, max_new_tokens, greedy, temperature, top_k, top_p, seed, stop_strings, bits,
+             device, dtype, runtime, no_verify, json_path):
+    """Complete prompts with a model and print the text, ms/token and tokens/s.
 
-    Tokens/s includes transformers' per-token Python work (model.generate), tens of ms per token for a
-    7B model on a GPU; --static-cache decodes without it (StaticGreedyDecoder, CUDA graphs), as
-    benchmarks/bench_e2e_decode.py does.
+    On CUDA, Llama-family models (Llama, Mistral, Qwen2, Qwen3) run on quantkit's fast decoder: stacked
+    projections, a static KV cache, each decode step one CUDA-graph replay; ms/token and tokens/s are then
+    decode only (prefill apart). Elsewhere the transformers model generates (times include prefill).
     """
     from quantkit.models import resolve_source
-    from quantkit.pipeline import load_for_eval, resolve_device
-    from quantkit.runtime.generate import generate_static, generate_text
+    from quantkit.pipeline import resolve_device
+    from quantkit.runtime import generate as generation
 
-    if static_cache and not greedy:
-        raise QuantkitError("--static-cache decodes greedily; drop --sample")
+    sampling = generation.Sampling(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if max_new_tokens < 1:
+        raise QuantkitError("--max-new-tokens must be at least 1")
     device = resolve_device(device)
     if bits is not None:  # refuse before spending time on the first model
         floats = [src for src in models if resolve_source(src).kind != "artifact"]
@@ -604,30 +613,32 @@ def generate(models, prompts, max_new_tokens, greedy, temperature, top_p, seed, 
             raise QuantkitError(f"--bits applies only to any-precision artifacts, not to {floats[0]}")
     runs = []
     for src in models:
-        model, tokenizer, source = load_for_eval(src, device, dtype, verify=not no_verify, bits=bits)
-        if static_cache:
-            out = generate_static(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-        else:
-            out = generate_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=greedy,
-                                temperature=temperature, top_p=top_p, seed=seed)
+        model, tokenizer, source, note = generation.load_for_generation(src, device, dtype, verify=not no_verify,
+                                                                        bits=bits, runtime=runtime)
+        out = generation.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                             stop_strings=stop_strings, chat=chat)
         served = "" if bits is None else f" @{bits}b"
         click.echo(f"== {source.display}{served} ({source.kind}, {device})")
+        click.echo(note)
         for prompt, completion in zip(prompts, out["completions"]):
             click.echo(f"{prompt}{completion}")
             click.echo("--")
-        if static_cache:
+        if out["runtime"] == "fast":
             how = "CUDA graph" if out["cuda_graph"] else "eager steps"
             if "graph_error" in out:
-                how += f" (graph capture failed: {out['graph_error'][:200]})"
-            click.echo(f"static cache, {how}: {out['ms_per_step']:.2f} ms per decoding step, {out['tokens_per_s']:.1f} "
-                       f"tokens/s (decode only; prefill {out['prefill_ms']:.1f} ms)")
+                how += f"; graph capture failed: {out['graph_error'][:200]}"
+            timing = (f"{out['ms_per_token']:.2f} ms/token, {out['tokens_per_s']:.1f} tokens/s (decode, batch "
+                      f"{len(prompts)}, {how}); prefill {out['prefill_ms']:.1f} ms" if out["steps"] else
+                      f"prefill {out['prefill_ms']:.1f} ms")
         else:
-            click.echo(f"{sum(out['new_tokens'])} new tokens in {out['seconds']:.2f} s: {out['tokens_per_s']:.1f} "
-                       f"tokens/s, {out['ms_per_step']:.1f} ms per decoding step")
+            timing = (f"{out['ms_per_token']:.2f} ms/token, {out['tokens_per_s']:.1f} tokens/s "
+                      f"(transformers generate, prefill included)")
+        click.echo(f"{sum(out['new_tokens'])} new tokens; {timing}")
         runs.append({"model": source.display, "model_kind": source.kind, "device": device,
-                     "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                     "decoding": {"greedy": greedy, "static_cache": static_cache,
-                                  **({} if greedy else {"temperature": temperature, "top_p": top_p, "seed": seed})},
+                     "dtype": str(model.dtype).replace("torch.", ""),
+                     "decoding": {"greedy": greedy, "chat": chat, "stop": list(stop_strings),
+                                  **({} if greedy else {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                                                        "seed": seed})},
                      "max_new_tokens": max_new_tokens, **({} if bits is None else {"served_bits": bits}),
                      "prompts": list(prompts), **out})
         del model

@@ -1,7 +1,8 @@
 """Tiny random causal LMs built from their configs (no download), for every test that needs a model.
 
     tiny_causal_lm("llama", layers=2, hidden=64, intermediate=160, vocab=128, heads=4, kv_heads=2,
-                   max_positions=64, seed=0, **overrides) -> an eval-mode model
+                   max_positions=64, seed=0, **overrides) -> an eval-mode model (also mistral, qwen2, qwen3,
+                   opt, gpt2)
     save_tiny(model, tokenizer, path) -> path, holding the model and (unless None) the tokenizer
 
 The weights depend on the seed and the sizes only: torch's global generator is seeded right before the
@@ -14,6 +15,7 @@ import torch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gemma2", "gemma3_text", "phi3", "gpt_neox",
                  "qwen3_moe", "mixtral", "gpt2", "bert")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # Llama's layer shape; Qwen2 adds q/k/v biases, Qwen3 q/k norms
 
 
 def _config_and_class(arch, layers, hidden, intermediate, vocab, heads, kv_heads, max_positions):

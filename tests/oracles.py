@@ -2,18 +2,17 @@
 
 decode_attention (runtime/decode_attention.py):
     attended_inputs(query, new_kv, dtype, rope, consume) -> the query and new key/value `decode` attends with
-    decode_torch(query, keys, values, position, scale, new_kv, rope, consume) -> what `decode` returns and writes
+    decode_torch(query, keys, values, positions, scale, new_kv, rope, consume) -> what `decode` returns and writes
 """
 
 import torch
-
-from quantkit.runtime.decode_attention import reference, write_kv
+import torch.nn.functional as F
 
 
 def attended_inputs(query, new_kv, dtype, rope=None, consume=False):
     """(query, (key, value) or None) as `decode` attends with them, in `dtype`: with consume, fp32 sums
-    rounded as the matvec's fp16 output would be; with rope = (cos, sin), the query and key rotated as
-    apply_rotary_pos_emb does, x * cos + rotate_half(x) * sin, in fp32 and rounded once."""
+    rounded as the matvec's fp16 output would be; with rope = (cos, sin) rows [B, D] of each row's position,
+    the query and key rotated, x * cos + rotate_half(x) * sin, in fp32 and rounded once."""
 
     def finish(t):
         return (t.to(torch.float16) if consume else t).to(dtype)
@@ -32,13 +31,29 @@ def attended_inputs(query, new_kv, dtype, rope=None, consume=False):
     return query, new_kv
 
 
-def decode_torch(query, keys, values, position, scale, new_kv=None, rope=None, consume=False):
-    """What `decode` computes and writes (the new key and value into the cache, zeros into consumed sums),
-    in PyTorch, on any device: the kernel's reference, and its stand-in on the CPU."""
-    q, kv = attended_inputs(query, new_kv, keys.dtype, rope, consume)
+def attend_rows(query, keys, values, positions, scale):
+    """Each row's attention over its cache positions 0..positions[b], one row at a time with SDPA on the
+    slice (no mask): [B, 1, H, D] in fp32."""
+    group = query.shape[1] // keys.shape[1]
+    out = []
+    for b, last in enumerate(positions.reshape(-1).expand(query.shape[0]).tolist()):
+        k = keys[b : b + 1, :, : last + 1].float().repeat_interleave(group, dim=1)
+        v = values[b : b + 1, :, : last + 1].float().repeat_interleave(group, dim=1)
+        out.append(F.scaled_dot_product_attention(query[b : b + 1].float(), k, v, scale=scale))
+    return torch.cat(out).transpose(1, 2)
+
+
+def decode_torch(query, keys, values, positions, scale, new_kv=None, rope=None, consume=False):
+    """What `decode` computes and writes (the new key and value into the cache at each row's position, zeros
+    into consumed sums), row by row in PyTorch; rope = (cos, sin) tables [L, D]."""
+    last = positions.reshape(-1).expand(query.shape[0])
+    rows = None if rope is None else tuple(t[last] for t in rope)
+    q, kv = attended_inputs(query, new_kv, keys.dtype, rows, consume)
     if kv is not None:
-        write_kv(keys, values, kv[0], kv[1], position.reshape(-1)[:1].to(keys.device))
+        for b, p in enumerate(last.tolist()):
+            keys[b, :, p] = kv[0][b, :, 0]
+            values[b, :, p] = kv[1][b, :, 0]
     if consume:
         for sums in (query, *new_kv):
             sums.zero_()
-    return reference(q, keys, values, position, scale).to(keys.dtype)
+    return attend_rows(q, keys, values, last, scale).to(keys.dtype)

@@ -49,12 +49,19 @@ def _check(got, want):
     return problems
 
 
+def _norm_only(case, device="cpu"):
+    """[] when rms_norm (the kernel without a delta) matches the reference norm of its input."""
+    residual, _, weight = _case(*case, device=device)
+    got = add_norm.rms_norm(residual, weight, 1e-5)
+    return _check((residual, got), (residual, add_norm.rms_norm_torch(residual, weight, 1e-5)))
+
+
 # run in a fresh process under Triton's interpreter (the run_interpreted fixture, conftest.py)
 _INTERPRETED = """
 import json, sys
 import torch
 sys.path[:0] = {paths!r}
-from test_add_norm import CASES, _case, _check, _consumed
+from test_add_norm import CASES, _case, _check, _consumed, _norm_only
 from quantkit.runtime import add_norm
 report = []
 for case in CASES:
@@ -62,6 +69,7 @@ for case in CASES:
     got = add_norm.add_rms_norm(residual, delta, weight, 1e-5)
     report.append(_check(got, add_norm.add_rms_norm_torch(residual, delta, weight, 1e-5)))
 report += [_consumed(case) for case in CASES if case[2] == torch.float16]  # bf16: see CONSUMED_INTERPRETED
+report += [_norm_only(case) for case in CASES]
 print(json.dumps(report))
 """
 # The interpreter's fp32 -> bf16 conversion is not round-to-nearest, and the accumulator goes through two
@@ -71,7 +79,7 @@ CONSUMED_INTERPRETED = [case for case in CASES if case[2] == torch.float16]
 
 def test_interpreted_kernel_matches_reference(run_interpreted):
     report = run_interpreted(_INTERPRETED)
-    cases = CASES + CONSUMED_INTERPRETED
+    cases = CASES + CONSUMED_INTERPRETED + CASES
     assert report == [[]] * len(cases), list(zip(cases, report))
 
 
@@ -110,6 +118,7 @@ def test_cuda_kernel_matches_reference(case):
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernel_consumes_an_accumulator(case):
     assert _consumed(case, device="cuda") == []
+    assert _norm_only(case, device="cuda") == []
 
 
 @pytest.mark.requires("cuda", "triton")

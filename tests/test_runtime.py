@@ -1,13 +1,12 @@
 """Runtime on the CPU: quantized artifacts generate through QuantLinear exactly as the float model with
-the dequantized weights put back; any-precision widths switch at run time; the static-cache decoder
-(whose step the benchmark captures in a CUDA graph) matches transformers' generate; `quantkit generate`."""
+the dequantized weights put back; any-precision widths switch at run time; `quantkit generate` with the
+transformers model and with the fast decoder (tests/test_fast_model.py holds the decoder itself)."""
 
 import json
 
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantkit
 from factories import save_tiny, tiny_causal_lm
@@ -15,7 +14,7 @@ from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import load_for_eval, quantize_checkpoint
 from quantkit.runtime import QuantLinear
-from quantkit.runtime.generate import StaticGreedyDecoder, generate_static, generate_text
+from quantkit.runtime.generate import Sampling, generate
 
 PROMPTS = ["The history of the", "In 1998 the band released"]
 NEW_TOKENS = 16
@@ -139,138 +138,16 @@ def test_load_refuses_bits_it_cannot_serve(artifact):
         quantkit.load(artifact("anyprec"), bits=5)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_static_decoder_matches_generate(attn, artifact, tiny_tokenizer):
-    model = quantkit.load(artifact("bcq"))
-    model.set_attn_implementation(attn)
-    ids = tiny_tokenizer(PROMPTS[:1] * 2, return_tensors="pt")["input_ids"]  # batch 2 of equal length
-    ids[1, -1] = (ids[1, -1] + 7) % model.config.vocab_size  # ...with different contents
-    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    want, _ = _greedy(model, enc)
-    assert not torch.equal(want[0], want[1])
-    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS, batch_size=2)
-    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)
-    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)  # prefill resets the cache in place
-    decoder.prefill(ids)
-    with pytest.raises(QuantkitError, match="overflow"):
-        decoder.steps(NEW_TOKENS + 1)
-
-
-def test_static_decoder_steps_bypass_transformers_cache_update(artifact, tiny_tokenizer):
-    # decode steps write keys and values at the decoder's position buffer instead of transformers'
-    # StaticCache.update (five kernels a layer); only prefill goes through it. Same tokens as generate().
-    model = quantkit.load(artifact("rtn"))
-    ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
-    want, _ = _greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
-    layers_seen = []
-    transformers_update = decoder._cache_update
-    decoder._cache_update = lambda k, v, layer_idx, *a, **kw: (layers_seen.append(layer_idx),
-                                                                 transformers_update(k, v, layer_idx, *a, **kw))[1]
-    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)
-    assert layers_seen == list(range(model.config.num_hidden_layers))  # the prefill, once per layer
-
-
-def test_static_decoder_warm_up_after_full_generation(artifact, tiny_tokenizer):
-    # capture() warms up (and records) decode steps on whatever cache the last generate() left full; the
-    # StaticCache writes at its own device-side counter, so without a rewind those steps index past
-    # max_len (on CUDA a device assert that poisons the process). warm_up is capture's CPU-runnable part.
-    model = quantkit.load(artifact("rtn"))
-    ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
-    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    want, _ = _greedy(model, enc)
-    assert len(set(want[0].tolist())) > NEW_TOKENS // 4  # decoding past the prompt goes somewhere
-    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
-    decoder.warm_up(2)  # on a fresh cache (capture before any prefill)
-    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)  # every cache slot used
-    decoder.warm_up(3)
-    with pytest.raises(QuantkitError, match="overflow"):
-        decoder.steps(1)  # warm-up junk in the cache: only a prefill may follow
-    assert torch.equal(decoder.generate(ids, NEW_TOKENS), want)
-    with pytest.raises(QuantkitError, match="do not fit"):
-        decoder.warm_up(decoder.max_len)
-
-
-class _HostReads(TorchDispatchMode):
-    """Records ops that copy a device value to the host (forbidden inside CUDA-graph capture)."""
-
-    NAMES = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
-             "aten::unique_consecutive", "aten::_unique2", "aten::equal"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in self.NAMES:
-            self.seen.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
-def test_decode_step_reads_nothing_back_to_host(artifact, tiny_tokenizer):
-    # what a CUDA graph captures must not synchronise; on the CPU we can check the ops for it
-    with _HostReads() as control:
-        torch.ones(2).sum().item()
-    assert control.seen == ["aten::_local_scalar_dense"]
-    model = quantkit.load(artifact("anyprec"), bits=3)
-    decoder = StaticGreedyDecoder(model, max_len=32)
-    decoder.prefill(tiny_tokenizer(PROMPTS[:1], return_tensors="pt")["input_ids"])
-    with torch.inference_mode():
-        decoder._step()  # first call fills QuantLinear's weight cache (on CUDA a kernel serves instead)
-        with _HostReads() as spy:
-            decoder._step()
-    assert spy.seen == []
-
-
-@pytest.mark.parametrize("case", ["kernel-writes", "attention-drops-the-step"])
-def test_static_decoder_split_attention_plumbing(artifact, tiny_tokenizer, monkeypatch, case):
-    # The decoder's split-attention path, forced on the CPU (on CUDA with Triton it is the default):
-    # each layer's new key and value wait on the step until its attention call takes them. Here the
-    # registered attention function cannot use the kernel (CPU), so it writes them and runs SDPA: the
-    # tokens equal transformers' greedy decode, which also shows that the step reaches every layer
-    # through the model's forward kwargs. With an attention that drops the step, the decoder must notice
-    # the untaken keys, go back to SDPA and redo the step: the same tokens again.
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from quantkit.runtime import decode_attention
-
-    model = quantkit.load(artifact("rtn"))
-    ids = tiny_tokenizer(PROMPTS[1:], return_tensors="pt")["input_ids"]
-    want, _ = _greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    decoder = StaticGreedyDecoder(model, max_len=ids.shape[1] + NEW_TOKENS)
-    decoder.split_attention = True
-    decoder._attention_step = decode_attention.DecodeStep(
-        decoder.pos, decode_attention.counters(1, model.config.num_attention_heads, "cpu"))
-    if case != "attention-drops-the-step":
-        got = decoder.generate(ids, NEW_TOKENS)
-        assert decoder.split_attention
-    else:
-        def drops_the_step(module, query, key, value, mask, **kwargs):
-            kwargs.pop(decode_attention.STEP_KWARG)
-            return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-
-        monkeypatch.setitem(AttentionInterface._global_mapping, decode_attention.register(), drops_the_step)
-        with pytest.warns(UserWarning, match="did not reach every layer"):
-            got = decoder.generate(ids, NEW_TOKENS)
-        assert not decoder.split_attention
-    assert torch.equal(got, want) and not decoder._attention_step.pending
-    assert model.config._attn_implementation == "sdpa"
-
-
-def test_static_decoder_refuses_an_unknown_attention(artifact):
-    with pytest.raises(QuantkitError, match="attention must be one of"):
-        StaticGreedyDecoder(quantkit.load(artifact("rtn")), max_len=32, attention="flash")
-
-
-def test_generate_text_refuses_bad_requests(artifact, tiny_tokenizer):
+def test_generate_refuses_bad_requests(artifact, tiny_tokenizer):
     model = quantkit.load(artifact("rtn"))
     with pytest.raises(QuantkitError, match="exceeds the model's context"):
-        generate_text(model, tiny_tokenizer, PROMPTS[:1], max_new_tokens=300)
+        generate(model, tiny_tokenizer, PROMPTS[:1], max_new_tokens=300)
     with pytest.raises(QuantkitError, match="empty"):
-        generate_text(model, tiny_tokenizer, [""], max_new_tokens=4)
+        generate(model, tiny_tokenizer, [""], max_new_tokens=4)
     with pytest.raises(QuantkitError, match="temperature"):
-        generate_text(model, tiny_tokenizer, PROMPTS[:1], greedy=False, temperature=0)
+        Sampling(greedy=False, temperature=0)
+    with pytest.raises(QuantkitError, match="chat template"):
+        generate(model, tiny_tokenizer, PROMPTS[:1], max_new_tokens=4, chat=True)
 
 
 def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
@@ -281,17 +158,18 @@ def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
             "--bits", "3"]
     result = runner.invoke(main, args + ["--json", str(out)])
     assert result.exit_code == 0, result.output
+    assert "runtime: transformers model (the fast decoder runs on CUDA)" in result.output  # auto, on the CPU
     (payload,) = json.loads(out.read_text())["runs"]
-    api = generate_text(quantkit.load(path, bits=3), tiny_tokenizer, PROMPTS, max_new_tokens=8)
+    api = generate(quantkit.load(path, bits=3), tiny_tokenizer, PROMPTS, max_new_tokens=8)
     assert payload["token_ids"] == api["token_ids"] and payload["served_bits"] == 3
-    assert payload["tokens_per_s"] > 0 and sum(payload["new_tokens"]) <= 16
+    assert payload["runtime"] == "transformers" and payload["tokens_per_s"] > 0 and sum(payload["new_tokens"]) <= 16
     for prompt, completion in zip(PROMPTS, payload["completions"]):
         assert f"{prompt}{completion}" in result.output
-    assert "tokens/s" in result.output
+    assert "tokens/s" in result.output and "ms/token" in result.output
 
     sampled = []
     for _ in range(2):
-        result = runner.invoke(main, args + ["--sample", "--seed", "5", "--json", str(out)])
+        result = runner.invoke(main, args + ["--sample", "--seed", "5", "--top-k", "20", "--json", str(out)])
         assert result.exit_code == 0, result.output
         (run_,) = json.loads(out.read_text())["runs"]
         sampled.append(run_["token_ids"])
@@ -307,29 +185,26 @@ def test_cli_generate(artifact, lively_llama_dir, tiny_tokenizer, tmp_path):
     assert result.exit_code == 2 and "only to any-precision" in result.output
 
 
-def test_generate_static_matches_generate(artifact, tiny_tokenizer, tmp_path):
-    # the static-cache path (eager steps on the CPU; CUDA graphs on the device) decodes the same greedy
-    # tokens as model.generate, also for a batch of equal-length prompts; unequal lengths are refused
-    model = quantkit.load(artifact("bcq"))
-    batch = [PROMPTS[0], PROMPTS[0] + " old"]
-    assert len({len(tiny_tokenizer(p)["input_ids"]) for p in batch}) == 2  # the second is longer
-    same = [PROMPTS[1], PROMPTS[1].replace("band", "team")]
-    assert len({len(tiny_tokenizer(p)["input_ids"]) for p in same}) == 1
-    want = generate_text(model, tiny_tokenizer, same, max_new_tokens=NEW_TOKENS)
-    got = generate_static(model, tiny_tokenizer, same, max_new_tokens=NEW_TOKENS)
-    assert got["token_ids"] == want["token_ids"] and got["completions"] == want["completions"]
-    assert got["cuda_graph"] is False and got["tokens_per_s"] > 0 and got["prefill_ms"] > 0
-    with pytest.raises(QuantkitError, match="tokenize to"):
-        generate_static(model, tiny_tokenizer, batch, max_new_tokens=4)
-    with pytest.raises(QuantkitError, match="at least 2"):
-        generate_static(model, tiny_tokenizer, same, max_new_tokens=1)
-
-    out = tmp_path / "s.json"
-    args = ["generate", "--model", str(artifact("bcq")), "--prompt", same[0], "--max-new-tokens", str(NEW_TOKENS)]
-    result = CliRunner().invoke(main, args + ["--static-cache", "--json", str(out)])
+def test_cli_generate_fast_runtime_on_the_cpu(artifact, tiny_tokenizer, tmp_path):
+    # --runtime fast forces quantkit's own decoder (eager steps on the CPU): the same greedy tokens as the
+    # transformers model, for a batch of prompts of different lengths; stop strings cut the text
+    path = artifact("bcq")
+    out = tmp_path / "f.json"
+    args = ["generate", "--model", str(path), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens",
+            str(NEW_TOKENS), "--json", str(out)]
+    result = CliRunner().invoke(main, args + ["--runtime", "fast"])
     assert result.exit_code == 0, result.output
-    assert "static cache, eager steps" in result.output and f"{same[0]}{want['completions'][0]}" in result.output
-    (run_,) = json.loads(out.read_text())["runs"]
-    assert run_["decoding"]["static_cache"] and run_["token_ids"] == want["token_ids"][:1]
-    result = CliRunner().invoke(main, args + ["--static-cache", "--sample"])
-    assert result.exit_code == 2 and "decodes greedily" in result.output
+    assert "runtime: fast decoder" in result.output and "ms/token" in result.output
+    (fast,) = json.loads(out.read_text())["runs"]
+    result = CliRunner().invoke(main, args + ["--runtime", "transformers"])
+    assert result.exit_code == 0, result.output
+    (reference,) = json.loads(out.read_text())["runs"]
+    assert fast["runtime"] == "fast" and reference["runtime"] == "transformers"
+    assert fast["token_ids"] == reference["token_ids"] and fast["completions"] == reference["completions"]
+    stop = fast["completions"][0][3:7]
+    result = CliRunner().invoke(main, args + ["--runtime", "fast", "--stop", stop])
+    assert result.exit_code == 0, result.output
+    (stopped,) = json.loads(out.read_text())["runs"]
+    text = stopped["completions"][0]
+    assert stop not in text and fast["completions"][0].startswith(text)
+    assert len(stopped["token_ids"][0]) < len(fast["token_ids"][0])

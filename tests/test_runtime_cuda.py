@@ -1,6 +1,6 @@
-"""Runtime on the GPU: quantized models generate through the CUDA kernels as through the reference path
-(the dequantized weights with cuBLAS), a decode step captured in a CUDA graph decodes as the eager one,
-and SmolLM2 perplexity through the kernels equals the reference path's.
+"""Runtime on the GPU: the transformers model with QuantLinear modules generates through the CUDA kernels as
+through the reference path (the dequantized weights with cuBLAS), and SmolLM2 perplexity through the
+kernels equals the reference path's. The fast decoder's GPU tests are in tests/test_fast_model.py.
 
 Why agreement rates and not exact tokens: the kernels accumulate in a different order than cuBLAS
 (LUT sums, split-K), so logits differ by fp16 rounding. Greedy decoding then flips a token only where
@@ -28,14 +28,12 @@ from factories import tiny_causal_lm
 from machine import require
 from quantkit.kernels.dispatch import kernel_forward
 from quantkit.runtime import QuantLinear
-from quantkit.runtime.generate import StaticGreedyDecoder, generate_static
 
 pytestmark = pytest.mark.requires("cuda")
 
 KERNEL_NOISE_FACTOR = 4  # kernel error vs fp32 / the fp16 reference's error vs fp32
 FP16_NOISE_MAX = 5e-2  # above this the fp16 noise floor itself is suspect and excuses nothing
 MIN_TOKEN_AGREEMENT = 0.9
-NEAR_TIE = 1e-2  # logit gap, relative to the largest logit, that fp16 rounding may flip
 STEPS = 48
 PROMPT = 16
 FORMAT_EXTENSIONS = {"uniform": "lutgemm", "bcq": "lutgemm", "anyprec": "anyprec"}  # kernels/dispatch.py
@@ -130,22 +128,6 @@ def _teacher_forced_logits(model, ids, steps):
     return torch.stack(logits, dim=1).float()
 
 
-def _assert_same_until_near_tie(model, prompt, a, b, what):
-    """Greedy continuations a, b [1, STEPS] must be equal up to their first difference, and there the
-    two tokens must be a near-tie of that step's logits: rounding can flip a near-tie, after which
-    the contexts differ and later tokens say nothing. A wrong kernel differs early, by a wide gap."""
-    diff = (a != b).nonzero()
-    if len(diff) == 0:
-        return
-    step = diff[0, 1].item()
-    with torch.inference_mode():
-        logits = model(torch.cat([prompt, a[:, :step]], dim=1)).logits[0, -1].float()
-    gap = (logits[a[0, step]] - logits[b[0, step]]).abs().item()
-    scale = logits.abs().max().item()
-    assert gap <= NEAR_TIE * scale, (f"{what}: first different token at step {step} of {a.shape[1]} with a logit "
-                                     f"gap of {gap:.3e} (largest logit {scale:.3e}): not a rounding tie")
-
-
 def _max_rel_error(logits, exact):
     """Largest relative L2 error over (prompt, step) of logits [B, steps, V] against `exact`."""
     return ((logits - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
@@ -186,191 +168,6 @@ def test_kernels_generate_like_the_reference(name, bits, artifact):
         f"{name}: kernel logits {err:.2e} from fp32, fp16 reference path {noise:.2e} "
         f"(kernel vs fp16 reference {_max_rel_error(logits, ref_logits):.2e})")
     assert agree >= MIN_TOKEN_AGREEMENT, f"{name}: teacher-forced token agreement {agree:.3f}"
-
-
-@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("rtn", None), ("anyprec", 3), ("anyprec", 5)])
-def test_graph_captured_decode_equals_eager(name, bits, artifact):
-    model = quantkit.load(artifact(name), device="cuda", bits=bits)
-    _require_kernel(model, tokens=1)
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    eager = decoder.generate(prompt, STEPS)
-    decoder.capture()
-    graphed = decoder.generate(prompt, STEPS)
-    again = decoder.generate(prompt, STEPS)  # prefill resets the cache the graph writes to
-    with torch.inference_mode():
-        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=STEPS, do_sample=False,
-                              use_cache=True, pad_token_id=0, eos_token_id=None)[:, PROMPT:]
-    # same kernels in all three: equal except where a near-tie flips (the LUT kernel's stream-K adds
-    # fp32 partial sums with atomics, so its rounding can differ between two runs of one graph)
-    _assert_same_until_near_tie(model, prompt, eager, graphed, "graph vs eager")
-    _assert_same_until_near_tie(model, prompt, graphed, again, "graph replayed twice")
-    _assert_same_until_near_tie(model, prompt, want, eager, "static decoder vs model.generate")
-
-
-@pytest.mark.requires("triton")
-def test_split_attention_decodes_like_sdpa(artifact, monkeypatch):
-    # the decoder's default on CUDA: split-cache attention whose kernel also writes the step's key and
-    # value, in captured graphs, against SDPA
-    other = "sdpa"
-    from quantkit.runtime import decode_attention
-
-    model = quantkit.load(artifact("rtn-bcq"), device="cuda")
-    _require_kernel(model, tokens=1)
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    split = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    assert split.split_attention  # an sdpa model on CUDA, with Triton
-    launches = []  # every layer of the captured step must launch the kernel, taking its key and value
-    kernel = decode_attention.decode
-    monkeypatch.setattr(decode_attention, "decode",
-                        lambda *a, **kw: (launches.append(a[6] is not None), kernel(*a, **kw))[1])
-    split.capture()
-    layers = model.config.num_hidden_layers
-    assert split.split_attention and launches[-layers:] == [True] * layers
-    monkeypatch.setattr(decode_attention, "decode", kernel)
-    reference = StaticGreedyDecoder(model, max_len=PROMPT + STEPS, attention=other)
-    assert not reference.split_attention
-    reference.capture()
-    _assert_same_until_near_tie(model, prompt, reference.generate(prompt, STEPS), split.generate(prompt, STEPS),
-                                f"split vs {other}")
-
-
-class _IdTokenizer:
-    """Prompts given as space-separated token ids; what generate_static needs of a tokenizer."""
-
-    eos_token_id = None
-
-    def __call__(self, text):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return [" ".join(map(str, r)) for r in rows]
-
-
-def test_generate_static_decodes_through_a_cuda_graph(artifact):
-    # `quantkit generate --static-cache` on CUDA: captured decode steps, the tokens of eager steps
-    model = quantkit.load(artifact("rtn-bcq"), device="cuda")
-    _require_kernel(model, tokens=1)
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    out = generate_static(model, _IdTokenizer(), [" ".join(map(str, prompt[0].tolist()))], max_new_tokens=STEPS)
-    assert out["cuda_graph"] and out["tokens_per_s"] > 0
-    eager = StaticGreedyDecoder(model, max_len=PROMPT + STEPS).generate(prompt, STEPS)
-    _assert_same_until_near_tie(model, prompt, eager, torch.tensor(out["token_ids"], device="cuda"),
-                                "generate_static vs eager steps")
-
-
-@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("rtn", None), ("anyprec", 3)])
-@pytest.mark.parametrize("stack", [False, True], ids=["pointwise", "full"])
-def test_fusion_decodes_like_unfused(name, bits, stack, artifact, monkeypatch):
-    """runtime.fusion around the kernels (compiled pointwise parts; with stack, q/k/v and gate/up as one
-    kernel launch each; for the LUT kernels, matvecs leaving their sums to the next kernel: o_proj, and when
-    stacked q/k/v, gate/up and down), in a captured graph: the unfused decode's tokens up to a near-tie."""
-    from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
-
-    accumulated = []
-    accumulate = QuantLinear.accumulate
-    monkeypatch.setattr(QuantLinear, "accumulate",
-                        lambda module, x: accumulated.append((module, accumulate(module, x))) or accumulated[-1][1])
-    model = quantkit.load(artifact(name), device="cuda", bits=bits)
-    _require_kernel(model, tokens=1)
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    decoder.capture()
-    plain = decoder.generate(prompt, STEPS)
-    stacking = None
-    try:
-        assert fuse_pointwise(model) == {"rms_norm": 5, "mlp": 2, "rotary": 1, "rotary_angles": 1, "residual_norm": 2}
-        if stack:
-            stacking = fuse_projections(model)
-            assert stacking.count == 4
-            for module in _qlinears(model):  # the unfused modules had kernels: the stacked ones must too
-                x = torch.randn(1, 1, module.in_features, device="cuda", dtype=torch.float16)
-                assert kernel_forward(module, x) is not None, module.meta["format"]
-        decoder.capture()
-        fused = decoder.generate(prompt, STEPS)
-    finally:
-        unfuse_pointwise(model)
-        if stacking is not None:
-            stacking.undo()
-    _assert_same_until_near_tie(model, prompt, plain, fused, "fused vs unfused")
-    # the accumulations ran where the LUT kernels serve the matvecs (BCQ / uniform layers): o_proj always,
-    # the stacked q/k/v (finished by the attention kernel) and gate/up and down when stacked
-    served = {module.out_features for module, sums in accumulated if sums is not None}
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
-    # o_proj, down | gate/up, q/k/v
-    want = {config.hidden_size} | ({2 * config.intermediate_size, qkv} if stack else set())
-    assert served == (set() if name == "anyprec" else want), served
-
-
-@pytest.mark.requires("sm90")
-@pytest.mark.parametrize("name,bits", [("rtn-bcq", None), ("anyprec", 3)])
-def test_overlapped_launches_decode_like_plain_ones(name, bits, artifact, monkeypatch):
-    """The fused decode step captured with overlap (kernels/overlap.py: the matvec and Triton kernels
-    scheduled before the kernel they depend on ends) decodes as the one captured without, and its
-    capture did launch matvecs and Triton kernels with overlap."""
-    from quantkit.kernels import overlap
-    from quantkit.runtime.fusion import fuse_pointwise, fuse_projections, unfuse_pointwise
-
-    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
-    launches = []  # (what, overlapped) of each matvec / Triton launch decided while capturing
-    settled, triton_launch = overlap.settled, overlap.triton_launch
-    monkeypatch.setattr(overlap, "settled", lambda *a: launches.append(("matvec", settled(*a))) or launches[-1][1])
-    monkeypatch.setattr(overlap, "triton_launch",
-                        lambda device: (launches.append(("triton", triton_launch(device)["GDC"]))
-                                        or triton_launch(device)))
-    model = quantkit.load(artifact(name), device="cuda", bits=bits)
-    _require_kernel(model, tokens=1)
-    assert overlap.for_device("cuda")
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    fuse_pointwise(model)
-    stacking = fuse_projections(model)
-    try:
-        with overlap.disabled():
-            decoder.capture()
-        plain = decoder.generate(prompt, STEPS)
-        launches.clear()
-        decoder.capture()
-        captured = set(launches)
-        overlapped = decoder.generate(prompt, STEPS)
-        again = decoder.generate(prompt, STEPS)
-    finally:
-        unfuse_pointwise(model)
-        stacking.undo()
-    _assert_same_until_near_tie(model, prompt, plain, overlapped, "overlapped vs plain launches")
-    _assert_same_until_near_tie(model, prompt, overlapped, again, "overlapped graph replayed twice")
-    assert {("matvec", True), ("triton", True)} <= captured, captured
-
-
-def test_the_compiled_greedy_pick_is_argmax():
-    from quantkit.runtime.generate import _compiled_pick
-
-    logits = torch.randn(3, 32000, device="cuda").half()
-    logits[1, [5, 17, 31000]] = 30.0  # equal maxima: the first one, as torch.argmax
-    logits[2] = -1.0
-    picked = _compiled_pick()(logits)
-    assert picked.shape == (3, 1) and torch.equal(picked, logits.argmax(dim=-1, keepdim=True))
-    assert picked[1, 0] == 5 and picked[2, 0] == 0
-
-
-def test_graph_recaptured_after_set_bits(artifact):
-    path = artifact("anyprec")
-    model = quantkit.load(path, device="cuda", bits=5)
-    _require_kernel(model, tokens=1)
-    prompt = _prompts(model.config.vocab_size, batch=1)
-    decoder = StaticGreedyDecoder(model, max_len=PROMPT + STEPS)
-    decoder.capture()
-    at5 = decoder.generate(prompt, STEPS)
-    for module in _qlinears(model):
-        module.set_bits(3)
-    decoder.capture()
-    at3 = decoder.generate(prompt, STEPS)
-    fresh = StaticGreedyDecoder(quantkit.load(path, device="cuda", bits=3), max_len=PROMPT + STEPS)
-    fresh.capture()
-    assert _agreement(at3, fresh.generate(prompt, STEPS)) >= MIN_TOKEN_AGREEMENT
-    assert not torch.equal(at3, at5)
 
 
 # --- SmolLM2 perplexity through the kernels ------------------------------------------------------

@@ -30,7 +30,8 @@ writes each weight once (cuBLAS then needs CUBLAS_WORKSPACE_CONFIG, as torch say
 `accumulate` is the matvec path stopped one step early: the kernels add x @ weightᵀ into the module's
 fp32 split-K workspace and leave it there, without the tile counter, the read-back and the fp16
 store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B decode shapes). Whoever
-asks for it reads the sums and zeroes them (runtime.fusion does, in the kernel that consumes them).
+asks for it reads the sums and zeroes them (the fast decoder does, in the kernel that consumes them:
+runtime/ops.py).
 
 On sm_90+ the matvec launches use programmatic dependent launch (kernels/overlap.py): each starts
 copying its weights while the kernel before it is still running, and reads x only after it has ended;

@@ -1,4 +1,5 @@
-"""Running artifacts: QuantLinear modules and the model rebuilt from an artifact."""
+"""Running artifacts: QuantLinear modules and the transformers model rebuilt from an artifact (the reference
+path), and the fast decoder for the Llama family (model.py, weights.py, ops.py, generate.py)."""
 
 from quantkit.runtime.loader import load_quantized
 from quantkit.runtime.quant_linear import QuantLinear

@@ -1,11 +1,14 @@
 """Residual add and the RMSNorm after it, one Triton program per row: (residual + delta, norm of it).
 
-`fusion._add_then_norm` runs it on CUDA for the decoder layers of a fused model (fusion.py). At batch 1
-a row is one hidden state of a few thousand values, so the call is all launch and latency: on an H100
-in a CUDA graph this kernel takes 1.7 µs against 2.6-2.8 µs for inductor's compiled version of the same
-expression and 1.3 µs for an empty kernel (docs/decode-runtime.md). It computes what transformers'
-Llama does eagerly: the sum rounded to the input dtype, its mean square and rsqrt in fp32, the normed
-values rounded to the input dtype before the weight multiplies them (in fp32, rounded once).
+runtime.model adds every residual in the kernel of the norm that follows it (the next layer's input
+norm, the post-attention norm, the final norm), through the custom operator quantkit::add_rms_norm
+(runtime/ops.py); without a delta the same kernel is the plain RMSNorm (quantkit::rms_norm: the first
+layer's input norm). At batch 1 a row is one hidden state of a few thousand values, so the call is all
+launch and latency: on an H100 in a CUDA graph this kernel takes 1.7 µs against 2.6-2.8 µs for
+inductor's compiled version of the same expression and 1.3 µs for an empty kernel
+(docs/decode-runtime.md). It computes what a Llama RMSNorm computes eagerly: the sum rounded to the
+input dtype, its mean square and rsqrt in fp32, the normed values rounded to the input dtype before the
+weight multiplies them (in fp32, rounded once: the same as an fp16 product).
 
 The delta may also be a LUT kernel's fp32 accumulator (QuantLinear.accumulate, `consume=True`): the
 kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it for the next call.
@@ -14,7 +17,7 @@ kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it
 import torch
 
 from quantkit.kernels import overlap
-from quantkit.runtime.triton_kernel import lazy_kernel
+from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
 
@@ -26,7 +29,7 @@ def _kernel(triton, tl):
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
                             res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
-                            GDC: tl.constexpr):
+                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -34,11 +37,13 @@ def _kernel(triton, tl):
         cols = tl.arange(0, BLOCK)
         inside = cols < width
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
-        delta = tl.load(delta_ptr + row * delta_stride + cols, mask=inside, other=0.0)
-        if CONSUME:  # fp32 sums of a matvec: its fp16 output, in the model's dtype (cleared below)
-            delta = delta.to(tl.float16).to(res.dtype)
-        hidden = (res.to(tl.float32) + delta.to(tl.float32)).to(res.dtype)
-        tl.store(hidden_ptr + row * width + cols, hidden, mask=inside)
+        hidden = res
+        if HAS_DELTA:
+            delta = tl.load(delta_ptr + row * delta_stride + cols, mask=inside, other=0.0)
+            if CONSUME:  # fp32 sums of a matvec: its fp16 output, in the model's dtype (cleared below)
+                delta = delta.to(tl.float16).to(res.dtype)
+            hidden = (res.to(tl.float32) + delta.to(tl.float32)).to(res.dtype)
+            tl.store(hidden_ptr + row * width + cols, hidden, mask=inside)
         h = hidden.to(tl.float32)
         scale = tl.rsqrt(tl.sum(h * h, axis=0) / width + eps)
         normed = (h * scale).to(res.dtype).to(tl.float32)
@@ -57,13 +62,14 @@ def available():
 
 
 def supported(residual, delta, weight, consume=False):
-    """Whether `add_rms_norm` serves these tensors (else the caller's compiled expression)."""
-    return (residual.is_cuda and available() and residual.dtype in (torch.float16, torch.bfloat16)
-            and delta.dtype == (torch.float32 if consume else residual.dtype) and weight.dtype == residual.dtype
-            and delta.shape == residual.shape
-            and weight.shape == residual.shape[-1:] and residual.shape[-1] <= MAX_WIDTH
-            and residual.device == delta.device == weight.device and weight.is_contiguous()
-            and residual.stride(-1) == delta.stride(-1) == 1)
+    """Whether `add_rms_norm` (delta None: `rms_norm`) serves these tensors (else the PyTorch expression)."""
+    delta_fits = delta is None or (delta.dtype == (torch.float32 if consume else residual.dtype)
+                                   and delta.shape == residual.shape and delta.device == residual.device
+                                   and delta.stride(-1) == 1)
+    return (runs_on(residual) and available() and residual.dtype in (torch.float16, torch.bfloat16) and delta_fits
+            and weight.dtype == residual.dtype and weight.shape == residual.shape[-1:]
+            and residual.shape[-1] <= MAX_WIDTH and residual.device == weight.device and weight.is_contiguous()
+            and residual.stride(-1) == 1)
 
 
 def add_rms_norm(residual, delta, weight, eps, consume=False):
@@ -71,23 +77,31 @@ def add_rms_norm(residual, delta, weight, eps, consume=False):
     rows may be strided (e.g. views of a stacked output), the last dimension must be contiguous.
     consume: delta is a matvec's fp32 accumulator (QuantLinear.accumulate), added as the matvec's fp16
     output would be and left zero."""
+    return _launch(residual, delta, weight, eps, consume)
+
+
+def rms_norm(x, weight, eps):
+    """weight * rmsnorm(x) as a new contiguous tensor of x's shape (the kernel without the add)."""
+    return _launch(x, None, weight, eps, False)[1]
+
+
+def _launch(residual, delta, weight, eps, consume):
     width = residual.shape[-1]
-    res2, delta2 = residual.reshape(-1, width), delta.reshape(-1, width)
-    hidden = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
-    normed = torch.empty_like(hidden)
+    res2 = residual.reshape(-1, width)
+    delta2 = res2 if delta is None else delta.reshape(-1, width)  # an unused pointer without a delta
+    hidden = res2 if delta is None else torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    normed = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     rows = res2.shape[0]
     if rows:
         block = 1 << (width - 1).bit_length()
         _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
-                           BLOCK=block, CONSUME=consume, num_warps=8 if block >= 4096 else 4,
-                           **overlap.triton_launch(residual.device))
+                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None,
+                           num_warps=8 if block >= 4096 else 4, **overlap.triton_launch(residual.device))
     return hidden, normed
 
 
 def rms_norm_torch(hidden, weight, eps):
-    """LlamaRMSNorm.forward's expression (fusion checks that source) over tensors rather than the module,
-    which runtime.fusion compiles: compiling the method itself would guard on each instance and recompile
-    per layer."""
+    """A Llama-family RMSNorm's expression: the norm in fp32, rounded to the input dtype, times the weight."""
     dtype = hidden.dtype
     h = hidden.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -95,7 +109,7 @@ def rms_norm_torch(hidden, weight, eps):
 
 
 def add_rms_norm_torch(residual, delta, weight, eps):
-    """What `add_rms_norm` computes, in PyTorch, as transformers' Llama does it (its reference, and
-    runtime.fusion's compiled path where the kernel does not serve)."""
+    """What `add_rms_norm` computes, in PyTorch, as a Llama decoder layer does it (its reference, and the
+    path where the kernel does not serve)."""
     hidden = residual + delta
     return hidden, rms_norm_torch(hidden, weight, eps)

@@ -1,75 +1,70 @@
 """Attention for one decode step over a static KV cache, split over the cache (flash-decoding), in Triton.
 
-In a decode step each sequence has one query token. transformers' SDPA call reads all max_len
-positions of a static cache under an additive mask, and its kernels give each (sequence, head) one
-thread block: 32 blocks for Llama-2-7B on a 132-SM H100, each streaming its head's whole cache, 8.2 µs a
-layer at 256 cached positions and 11.5 µs at 1152. Here the cache of each (sequence, head) is cut into
-chunks of CHUNK positions, one program per chunk: it computes its chunk's softmax statistics (max,
-sum) and weighted value sum in fp32, skipping positions past the current one (read nowhere, not masked
+In a decode step each sequence has one query token. A plain SDPA call reads all max_len positions of a
+static cache under an additive mask, and its kernels give each (sequence, head) one thread block: 32
+blocks for Llama-2-7B on a 132-SM H100, each streaming its head's whole cache, 8.2 µs a layer at 256
+cached positions and 11.5 µs at 1152. Here the cache of each (sequence, head) is cut into chunks of
+CHUNK positions, one program per chunk: it computes its chunk's softmax statistics (max, sum) and
+weighted value sum in fp32, skipping positions past its row's current one (read nowhere, not masked
 after reading), and the last of a head's programs to finish (a counter per head) merges the chunks, so
-one launch does it all. The current position comes from a device tensor, so one CUDA-graph step serves
-every position. The step's own key and value can be handed over with the call: the kernel attends to
-them and writes them into the cache, which saves the separate cache write (two kernels per layer).
+one launch does it all. Each row's position comes from a device tensor, so one CUDA-graph step serves
+every position, and rows of a batch may stand at different positions (prompts of different lengths).
+The step's own key and value come with the call: the kernel attends to them and writes them into the
+cache. With rope tables, it also rotates the query and the new key (x·cos + rotate_half(x)·sin, fp32,
+rounded once) at the row's position; with consume, q/k/v are a stacked matvec's fp32 sums, which it
+rounds as the matvec's fp16 output would be and clears.
 
-`StaticGreedyDecoder` routes its decode steps here (`attention_forward`, registered with transformers
-under ATTENTION_NAME); everything else, and every case this kernel does not cover, goes to transformers'
-SDPA function unchanged.
+runtime.model calls it through the custom operator quantkit::decode_attention (runtime/ops.py), which
+takes `reference_step` where the kernel does not serve (no Triton, the CPU, caches over 8192 positions).
 """
-
-import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import overlap
-from quantkit.runtime.triton_kernel import lazy_kernel
+from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
-ATTENTION_NAME = "quantkit_static_decode"
-STEP_KWARG = "quantkit_decode_step"  # a DecodeStep, passed through the model's forward kwargs
 CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
 # warps per program: measured against 4 and 8 (benchmarks/sweep_decode_attention.py), as fast or faster
 # from 256 to 4096 cached positions
 NUM_WARPS = 2
 MAX_HEAD_DIM = 256
 # the merging program holds every chunk's partial result in registers: beyond this many chunks (8192
-# cached positions) SDPA serves the step instead. Each cache length compiles its own kernel (SPLITS is
-# a compile-time constant), once per process.
+# cached positions) the reference serves the step instead. Each cache length compiles its own kernel
+# (SPLITS is a compile-time constant), once per process.
 MAX_SPLITS = 128
 
 
-@dataclass
-class DecodeStep:
-    """What a decode step's attention calls need beyond transformers' arguments."""
-
-    position: torch.Tensor  # its first element: the step's cache position (the last one attended)
-    head_counters: torch.Tensor  # from counters(batch, heads): zero, and left zero by every call
-    # layer index -> (key, value) [B, Hkv, 1, D] of the step's token, not yet in the cache: its attention
-    # call writes them there (the kernel itself, or an index_copy_ before SDPA) and removes the entry
-    pending: dict = field(default_factory=dict)
-    # layer index -> that layer's (keys, values) cache tensors, or None while not allocated: set by a
-    # decoder whose attention calls write the new key and value (as with `pending`). It lets an attention
-    # that calls `decode` itself (runtime.fusion) hand it the key and value before their rotation.
-    layer_cache: Callable | None = None
+def row_positions(positions, batch):
+    """positions as a [batch] view: one element (every row at that position) or one per row."""
+    flat = positions.reshape(-1)
+    if flat.numel() not in (1, batch):
+        raise ValueError(f"{flat.numel()} positions for {batch} rows (give one, or one per row)")
+    return flat.expand(batch)
 
 
-def reference(query, keys, values, position, scale):
-    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (H a multiple of Hkv), position: an integer tensor
-    whose first element is the last cache position to attend -> [B, 1, H, D] in fp32 (PyTorch's SDPA
-    over the attended positions)."""
-    last = int(position.reshape(-1)[0])
+def reference(query, keys, values, positions, scale):
+    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (H a multiple of Hkv), positions: integer tensor of
+    one or B elements, each row's last cache position to attend -> [B, 1, H, D] in fp32 (SDPA over the
+    attended positions, masked; no value is read back to the host, so a CUDA graph can hold it)."""
+    b, length = query.shape[0], keys.shape[2]
+    last = row_positions(positions, b).to(keys.device)
     group = query.shape[1] // keys.shape[1]
-    k = keys[:, :, : last + 1].float().repeat_interleave(group, dim=1)
-    v = values[:, :, : last + 1].float().repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(query.float(), k, v, scale=scale).transpose(1, 2)
+    # positions past a row's own are masked, and zeroed (a NaN there would survive the mask's zero weight)
+    keep = torch.arange(length, device=keys.device)[None, :] <= last[:, None]  # [B, L]
+    k = torch.where(keep[:, None, :, None], keys.float(), 0.0).repeat_interleave(group, dim=1)
+    v = torch.where(keep[:, None, :, None], values.float(), 0.0).repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(query.float(), k, v, attn_mask=keep[:, None, None, :],
+                                          scale=scale).transpose(1, 2)
 
 
-def write_kv(keys, values, key_states, value_states, position):
-    """Put one position's key and value [B, Hkv, 1, D] into the cache [B, Hkv, L, D] at `position`
-    (a 1-element integer tensor on the cache's device)."""
-    keys.index_copy_(2, position, key_states)
-    values.index_copy_(2, position, value_states)
+def write_kv(keys, values, key_states, value_states, positions):
+    """Put each row's key and value [B, Hkv, 1, D] into the cache [B, Hkv, L, D] at its position (one
+    or B integer elements on the cache's device)."""
+    b, kv_heads, _, d = key_states.shape
+    index = row_positions(positions, b).view(b, 1, 1, 1).expand(b, kv_heads, 1, d)
+    keys.scatter_(2, index, key_states.to(keys.dtype))
+    values.scatter_(2, index, value_states.to(values.dtype))
 
 
 @lazy_kernel
@@ -82,7 +77,7 @@ def _kernel(triton, tl):
     def _head_vector(ptr, d, swap, sign, cos, sin, mask, like_ptr, ROPE: tl.constexpr, CONSUME: tl.constexpr):
         """One head's query, key or value as attention uses it, in like_ptr's dtype: with CONSUME read
         from a matvec's fp32 sums and rounded as its fp16 output would be; with ROPE rotated as
-        apply_rotary_pos_emb (compiled) does, x * cos + rotate_half(x) * sin in fp32, rounded once."""
+        x * cos + rotate_half(x) * sin in fp32, rounded once."""
         dtype = like_ptr.dtype.element_ty
         x = tl.load(ptr + d, mask=mask, other=0.0)
         if CONSUME:
@@ -99,7 +94,7 @@ def _kernel(triton, tl):
     @triton.jit
     def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, pos_ptr, part_ptr, count_ptr,
                       kv_count_ptr, out_ptr, q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, kn_sb, kn_sh, vn_sb,
-                      vn_sh, cs_sb, qk_scale, length,
+                      vn_sh, cs_sn, pos_sb, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                       SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr,
                       ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr):
@@ -111,7 +106,7 @@ def _kernel(triton, tl):
         b = bh // H
         h = bh % H
         kv_head = h // GROUP
-        last = tl.load(pos_ptr)
+        last = tl.load(pos_ptr + b * pos_sb)  # this row's position (pos_sb = 0: one for all rows)
         d = tl.arange(0, D)
         n = split * CHUNK + tl.arange(0, CHUNK)
         # with HAS_NEW the current position's key and value come from kn/vn, not the cache
@@ -124,8 +119,8 @@ def _kernel(triton, tl):
         cos = sign  # placeholders without ROPE (Triton wants the names bound on every path)
         sin = sign
         if ROPE:
-            cos = tl.load(cos_ptr + b * cs_sb + d).to(tl.float32)
-            sin = tl.load(sin_ptr + b * cs_sb + d).to(tl.float32)
+            cos = tl.load(cos_ptr + last * cs_sn + d).to(tl.float32)  # the tables' row of the position
+            sin = tl.load(sin_ptr + last * cs_sn + d).to(tl.float32)
         everywhere = d < D
         q = _head_vector(q_ptr + b * q_sb + h * q_sh, d, swap, sign, cos, sin, everywhere, k_ptr, ROPE, CONSUME)
         # qk_scale carries log2(e): the softmax is in base 2
@@ -198,11 +193,11 @@ def available():
     return _kernel() is not None
 
 
-def supported(query, keys, values, dropout=0.0, consume=False):
-    """Whether `decode` can serve this call (else: transformers' SDPA function); consume: the query is a
-    matvec's fp32 sums (see `decode`)."""
+def supported(query, keys, values, consume=False):
+    """Whether `decode` can serve this call (else `reference_step`); consume: the query is a matvec's fp32
+    sums (see `decode`)."""
     b, h, q_len, d = query.shape
-    return (q_len == 1 and dropout == 0.0 and query.is_cuda and available()
+    return (q_len == 1 and runs_on(query) and available()
             and keys.dtype in (torch.float16, torch.bfloat16) and keys.dtype == values.dtype
             and query.dtype == (torch.float32 if consume else keys.dtype)
             and keys.shape[0] == b and h % keys.shape[1] == 0 and keys.shape[-1] == d and values.shape == keys.shape
@@ -218,13 +213,13 @@ def new_kv_fits(new_kv, keys, consume=False):
                and t.stride(-1) == 1 for t in new_kv)
 
 
-def rope_fits(rope, query):
-    """Whether (cos, sin) can be the `rope` of a call with this query: [B, 1, D] or [B, D] in the
-    model's dtype, one layout for both, unit stride along D."""
-    b, _, _, d = query.shape
+def rope_fits(rope, keys):
+    """Whether (cos, sin) can be the `rope` of a call on this cache: tables [L', D] in the cache's dtype
+    with a row for every cache position, one layout, unit stride along D."""
     cos, sin = rope
-    return (cos.shape == sin.shape and cos.shape in ((b, 1, d), (b, d)) and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1 and cos.dtype == sin.dtype and cos.device == query.device)
+    return (cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] >= keys.shape[2]
+            and cos.shape[1] == keys.shape[-1] and cos.stride() == sin.stride() and cos.stride(-1) == 1
+            and cos.dtype == sin.dtype == keys.dtype and cos.device == sin.device == keys.device)
 
 
 def counters(batch, heads, device):
@@ -233,18 +228,45 @@ def counters(batch, heads, device):
     return torch.zeros(2 * batch * heads, dtype=torch.int32, device=device)
 
 
-def decode(query, keys, values, position, scale, head_counters=None, new_kv=None, rope=None, consume=False,
+def rotate(x, cos, sin):
+    """x [B, heads, 1, D] rotated by the rows (cos, sin) [B, D] as the kernel does: fp32, rounded once."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    cos, sin = (t.float()[:, None, None, :] for t in (cos, sin))
+    return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+
+
+def reference_step(query, keys, values, positions, scale, new_kv, rope=None, consume=False):
+    """What `decode` computes and writes, in PyTorch, on any device (the path where the kernel does not
+    serve): the query and new key/value finished (consume: the matvec's fp16 rounding, then the cache's
+    dtype) and rotated (rope tables at each row's position), the new key and value written into the
+    cache, consumed sums cleared -> [B, 1, H, D] in the cache's dtype."""
+    dtype = keys.dtype
+    b = query.shape[0]
+    q, k, v = ((t.to(torch.float16) if consume else t).to(dtype) for t in (query, *new_kv))
+    last = row_positions(positions, b).to(keys.device)
+    if rope is not None:
+        cos, sin = (t.index_select(0, last) for t in rope)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    write_kv(keys, values, k, v, last)
+    if consume:
+        for sums in (query, *new_kv):
+            sums.zero_()
+    return reference(q, keys, values, last, scale).to(dtype)
+
+
+def decode(query, keys, values, positions, scale, head_counters=None, new_kv=None, rope=None, consume=False,
            chunk=CHUNK, num_warps=NUM_WARPS):
-    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), position: a
-    CUDA integer tensor whose first element is the last cache position to attend (0-based; later positions
-    are not read) -> [B, 1, H, D] in the cache's dtype (the layout transformers' attention functions return).
+    """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), positions: a
+    CUDA integer tensor of one element (every row) or B (one per row), each row's last cache position to
+    attend (0-based; later positions are not read) -> [B, 1, H, D] in the cache's dtype.
     head_counters: from `counters(B, H)` (None: fresh ones, one memset more). new_kv: (key, value)
-    [B, Hkv, 1, D] of the position itself, written into the cache by this call (None: already there).
-    rope: (cos, sin) of the position: the query and new key are not rotated yet, and the call rotates
-    them as transformers' apply_rotary_pos_emb would (the key before it goes into the cache).
-    consume: the query and new key and value are views into a matvec's fp32 sums (QuantLinear.accumulate
-    of the stacked q/k/v projection), rounded as its fp16 output would be, and zeroed by this call.
-    chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
+    [B, Hkv, 1, D] of each row's position itself, written into the cache by this call (None: already
+    there). rope: (cos, sin) tables [L', D] (L' >= L, row p = the angles of position p, the cache's dtype):
+    the query and new key are not rotated yet, and the call rotates them (the key before it goes into
+    the cache). consume: the query and new key and value are views into a matvec's fp32 sums (the stacked
+    q/k/v projection's QuantLinear.accumulate), rounded as its fp16 output would be, and zeroed by this
+    call. chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:
@@ -256,55 +278,24 @@ def decode(query, keys, values, position, scale, head_counters=None, new_kv=None
                          "(fp32 sums with consume)")
     if consume and new_kv is None:
         raise ValueError("consume needs the new key and value: they are sums to clear too")
-    if rope is not None and not rope_fits(rope, query):
-        raise ValueError("rope must be (cos, sin) [B, 1, D] or [B, D], one layout, unit stride along D")
+    if rope is not None and not rope_fits(rope, keys):
+        raise ValueError("rope must be (cos, sin) tables [L', D], L' >= the cache length, in the cache's dtype")
+    positions = positions.reshape(-1)
+    if positions.numel() not in (1, b):
+        raise ValueError(f"{positions.numel()} positions for {b} rows (give one, or one per row)")
     k_new, v_new = new_kv if new_kv is not None else (keys, values)  # unused pointers when None
-    cos, sin = rope if rope is not None else (query, query)
+    cos, sin = rope if rope is not None else (keys, keys)
     splits = -(-length // chunk)
     partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
     out = torch.empty(b, 1, h, d, dtype=keys.dtype, device=query.device)
     log2e = 1.4426950408889634
     _kernel()[(b * h, splits)](
-        query, keys, values, k_new, v_new, cos, sin, position, partials, head_counters, head_counters[b * h :], out,
+        query, keys, values, k_new, v_new, cos, sin, positions, partials, head_counters, head_counters[b * h :], out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1), cos.stride(0), scale * log2e, length,
+        v_new.stride(0), v_new.stride(1), cos.stride(0) if rope is not None else 0,
+        0 if positions.numel() == 1 else positions.stride(0), scale * log2e, length,
         H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
         SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None,
         ROPE=rope is not None, CONSUME=consume, num_warps=num_warps, **overlap.triton_launch(query.device))
     return out
-
-
-def plain(module, kwargs):
-    """Whether an attention module and the keyword arguments of its attention function call for nothing
-    but softmax attention over the cache (no soft-capping, no sliding window): what `decode` computes."""
-    return (kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-            and getattr(module, "sliding_window", None) is None)
-
-
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """A transformers attention function: the split kernel for a decode step that passed a DecodeStep
-    (STEP_KWARG), transformers' SDPA function otherwise (prefill, other callers, unsupported cases)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    step = kwargs.pop(STEP_KWARG, None)
-    new_kv = step.pending.pop(getattr(module, "layer_idx", None), None) if step is not None else None
-    if (step is not None and plain(module, kwargs) and supported(query, key, value, dropout)
-            and (new_kv is None or new_kv_fits(new_kv, key))):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return decode(query, key, value, step.position, scale, step.head_counters, new_kv), None
-    if new_kv is not None:  # SDPA below reads the cache: the position goes in first
-        write_kv(key, value, new_kv[0].to(key.dtype), new_kv[1].to(value.dtype),
-                 step.position.reshape(-1)[:1].to(key.device))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-@functools.cache
-def register():
-    """Make ATTENTION_NAME a transformers attention implementation (masks built as for SDPA); once."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return ATTENTION_NAME

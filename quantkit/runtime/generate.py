@@ -1,411 +1,420 @@
-"""Generation with loaded models (quantized or float): transformers' generate, and a static-cache greedy decoder.
+"""Generation, timed: the fast decoder (runtime/model.py) or a transformers model, text in and text out.
 
-`generate_text` runs transformers' `generate` with the KV cache on (loaded artifacts set
-config.use_cache = False for perplexity; generation must not inherit that), greedy or sampled,
-and times it. It is what `quantkit generate` prints.
+`generate(model, tokenizer, prompts, ...)` is what `quantkit generate` runs. For a fast Decoder it uses
+`FastGenerator`; for a transformers model, `model.generate` with the KV cache on (the reference path, for
+architectures the fast decoder does not serve and for the CPU). Both: greedy or sampled (temperature,
+top-k, top-p, seeded), each prompt stopped at an end-of-sequence token or a stop string, the tokenizer's
+chat template on request, batches of prompts of different lengths.
 
-`StaticGreedyDecoder` decodes greedily from a transformers StaticCache with every decode-step
-input in a fixed buffer: token ids, positions and a ready-made 4-D additive attention mask, which
-transformers uses as given (so none of its mask-building code, some of which reads tensor values
-on the host, runs per step). The next token is chosen on the device and written back into the
-input buffer, so one decode step has fixed shapes and addresses and no host synchronisation: it
-can be captured once in a CUDA graph (`capture()`) and replayed token after token with no Python
-between kernels: without it Python overhead (tens of ms per token for 32 layers) hides what the
-kernels save. Llama-style decoders (rotary positions from position_ids).
-
-Decode steps write each layer's new key and value into the static cache at the decoder's own position
-buffer, one compiled function per layer on CUDA (two small kernels). transformers' StaticCache does the
-same write as five kernels (an arange and two adds for a device-side position counter, then two
-index_copy_): 8.4 µs per layer on an H100 against 2.3 µs, 0.24 ms of every Llama-2-7B decode step
-whatever the weight format. Prefill keeps transformers' own update (it allocates the cache on first use).
-
-On CUDA with Triton, decode steps attend with `decode_attention` instead (the cache split over many
-programs, positions past the current one not read, rather than SDPA over the whole masked cache), and
-that kernel also writes the new key and value, so the compiled write above is not needed there.
+FastGenerator runs B prompts at once, each row at its own cache position: the prompts are prefilled
+right-padded (causal attention: a real token never sees the padding), then every decode step feeds each
+row's last token at its own position. A row thus computes what it would alone (up to the rounding of
+batched matmuls). On CUDA one decode step (the model's step, the pick of the next token, the bookkeeping)
+is captured in a CUDA graph once per (batch, cache length, sampling settings) and replayed token after
+token, no Python between kernels and no host synchronisation; the host looks at the tokens only every
+`check_every` steps, when end-of-sequence tokens or stop strings could end the generation early.
+Sampling draws from the default generator (seeded per call), which CUDA graphs replay safely.
 """
 
 import functools
-import inspect
 import time
-import warnings
+from dataclasses import dataclass
 
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime import decode_attention
+from quantkit.runtime.model import Decoder
+
+CHECK_EVERY = 16  # decode steps between looks at the tokens (one host synchronisation each)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: argmax (greedy), or drawn from softmax(logits / temperature) restricted
+    to the top_k most likely tokens (0: all) and the smallest set holding top_p of the probability."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.greedy:
+            if not self.temperature > 0:
+                raise QuantkitError("--temperature must be positive (use --greedy for argmax decoding)")
+            if not 0 < self.top_p <= 1:
+                raise QuantkitError("--top-p must be in (0, 1]")
+            if self.top_k < 0:
+                raise QuantkitError("--top-k must be 0 (off) or positive")
 
 
-def _model_device(model):
-    return next(model.parameters()).device
+def pick_greedy(logits):
+    """The argmax token [B] of logits [B, vocab] (the first of equal maxima)."""
+    return logits.argmax(dim=-1)
 
 
-def completion_lengths(new_ids, eos_token_id):
-    """Tokens generated per row: up to and including the first eos (generate pads after it)."""
-    lengths = []
-    for row in new_ids.tolist():
-        n = len(row)
-        if eos_token_id is not None and eos_token_id in row:
-            n = row.index(eos_token_id) + 1
-        lengths.append(n)
-    return lengths
-
-
-def _check_request(prompts, max_new_tokens, min_new_tokens=1, why=""):
-    if not prompts:
-        raise QuantkitError("give at least one --prompt")
-    if max_new_tokens < min_new_tokens:
-        raise QuantkitError(f"{why}--max-new-tokens must be at least {min_new_tokens}")
-
-
-def _check_context(model, prompt_len, max_new_tokens):
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and prompt_len + max_new_tokens > limit:
-        raise QuantkitError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
-                            f"context of {limit} tokens")
-
-
-def _completions(tokenizer, new_ids):
-    """generate_text's per-prompt result keys from the new token ids [B, n], each row cut after its first eos."""
-    lengths = completion_lengths(new_ids, tokenizer.eos_token_id)
-    ids = [row[:n] for row, n in zip(new_ids.tolist(), lengths)]
-    return {"completions": tokenizer.batch_decode(ids, skip_special_tokens=True), "token_ids": ids,
-            "new_tokens": lengths}
-
-
-@torch.inference_mode()
-def generate_text(model, tokenizer, prompts, max_new_tokens=64, greedy=True, temperature=1.0, top_p=1.0, seed=0):
-    """Complete each prompt with `model.generate` (KV cache on). Sampling is seeded with `seed`.
-
-    Returns {"completions", "token_ids" (new ids per prompt), "new_tokens" (per prompt, up to eos),
-    "prompt_tokens", "seconds", "tokens_per_s" (all new tokens / wall time), "ms_per_step"}. The clock
-    starts after one untimed forward, which pays the one-time costs (dequantized-weight caches on the
-    CPU path, kernel builds and workspaces on CUDA) that are not decoding speed.
-    """
-    prompts = list(prompts)
-    _check_request(prompts, max_new_tokens)
-    device = _model_device(model)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
-    if tokenizer.pad_token is None and len(prompts) > 1:
-        if tokenizer.eos_token is None:
-            raise QuantkitError("several prompts need padding, but the tokenizer has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        enc = tokenizer(prompts, return_tensors="pt", padding=len(prompts) > 1).to(device)
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
-    prompt_len = enc["input_ids"].shape[1]
-    if (enc["attention_mask"].sum(dim=1) == 0).any():
-        raise QuantkitError("a --prompt is empty after tokenization")
-    _check_context(model, prompt_len, max_new_tokens)
-    kwargs = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad, "do_sample": not greedy}
-    if greedy:
-        kwargs.update(temperature=None, top_p=None, top_k=None)  # silence the model's own sampling defaults
-    else:
-        if temperature <= 0:
-            raise QuantkitError("--temperature must be positive (use --greedy for argmax decoding)")
-        if not 0 < top_p <= 1:
-            raise QuantkitError("--top-p must be in (0, 1]")
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=None)
-        torch.manual_seed(seed)  # seeds the CUDA generators too
-    model(input_ids=enc["input_ids"][:, :1], use_cache=False)  # warm-up, see the docstring
-    _sync(device)
-    start = time.perf_counter()
-    out = model.generate(**enc, **kwargs)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    new_ids = out[:, prompt_len:]
-    result = _completions(tokenizer, new_ids)
-    return {
-        **result,
-        "prompt_tokens": enc["attention_mask"].sum(dim=1).tolist(),
-        "seconds": seconds,
-        "tokens_per_s": sum(result["new_tokens"]) / seconds,
-        "ms_per_step": 1000 * seconds / new_ids.shape[1],
-    }
+def pick_sampled(logits, temperature, top_k, top_p):
+    """A token [B] drawn from each row of logits [B, vocab]: temperature, then top-k, then top-p (nucleus:
+    the most likely tokens until their probability reaches top_p, the first always kept). Drawn as the
+    argmax of p / E with E ~ Exp(1), which picks token i with probability p_i and reads nothing back to
+    the host (a CUDA graph can hold it)."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        beyond = probs.cumsum(dim=-1) - probs >= top_p  # the mass before a token already reaches top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(beyond, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
 @functools.cache
-def _compiled_write_kv():
-    # one graph for both writes; not fullgraph: past dynamo's recompile limit it runs eagerly instead
-    return torch.compile(decode_attention.write_kv, dynamic=False)
+def _compiled_greedy():
+    # inductor's reduction: 7.5 µs against ATen's argmax 10.6-11 µs for 32000 logits on an H100
+    return torch.compile(pick_greedy, dynamic=False)
 
 
-def _pick(logits):
-    """The greedy token [B, 1] of each row of logits [B, vocab] (the first of equal maxima, as argmax)."""
-    return logits.argmax(dim=-1, keepdim=True)
+def _picker(sampling: Sampling, device):
+    if not sampling.greedy:
+        return functools.partial(pick_sampled, temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p)
+    from quantkit.runtime import decode_attention
+
+    return _compiled_greedy() if device.type == "cuda" and decode_attention.available() else pick_greedy
 
 
-@functools.cache
-def _compiled_pick():
-    return torch.compile(_pick, dynamic=False)
+@dataclass
+class _StepState:
+    """The decode step's inputs and outputs, at fixed addresses (a captured graph reads and writes them)."""
+
+    ids: torch.Tensor  # [B] each row's last token
+    positions: torch.Tensor  # [B] where it goes in the cache
+    out: torch.Tensor  # [B, max_new_tokens] the generated tokens
+    count: torch.Tensor  # [1] how many of them are written
 
 
-def _static_layer_kv(cache, layer_idx):
-    """The allocated key and value tensors [B, H, max_len, D] of one layer of a transformers StaticCache
-    (one StaticLayer per decoder layer since transformers 4.56), or None before its first update
-    allocates them (transformers' update then)."""
-    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
-    if layer is None or not getattr(layer, "is_initialized", False):
-        return None
-    return layer.keys, layer.values
+class FastGenerator:
+    """Generation with a fast Decoder: `run(prompt_ids, max_new_tokens, sampling, eos_ids, stop)`.
+    use_graphs: capture the decode step in a CUDA graph (default: on CUDA). Graphs are kept per (batch,
+    cache length, sampling settings, Decoder.set_bits calls) until the caches are reallocated; after any
+    other change to the model (new weights) call `forget_graphs()`."""
 
-
-@torch.inference_mode()
-def generate_static(model, tokenizer, prompts, max_new_tokens=64):
-    """Greedy completions from a static KV cache with StaticGreedyDecoder, each decode step one CUDA-graph
-    replay on CUDA (eager steps elsewhere): the decoding speed the kernels allow, without transformers'
-    per-token Python. The prompts must tokenize to the same length (no padding in a static batch).
-
-    Returns generate_text's keys, with "seconds" / "tokens_per_s" / "ms_per_step" for the decode steps
-    alone (all max_new_tokens - 1 of them: decoding does not stop at eos, completions are cut there),
-    plus "prefill_ms", "cuda_graph" and, when a CUDA capture failed, "graph_error" (eager steps then). The
-    clock starts after the capture and an untimed generation.
-    """
-    prompts = list(prompts)
-    _check_request(prompts, max_new_tokens, 2, why="--static-cache times decode steps: ")
-    device = _model_device(model)
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
-    if any(len(r) == 0 for r in rows):
-        raise QuantkitError("a --prompt is empty after tokenization")
-    if len({len(r) for r in rows}) != 1:
-        lengths = ", ".join(str(len(r)) for r in rows)
-        raise QuantkitError(f"--static-cache decodes prompts of one length together; these tokenize to {lengths} "
-                            "tokens (give them one at a time, or drop --static-cache)")
-    prompt_ids = torch.tensor(rows, device=device)
-    _check_context(model, prompt_ids.shape[1], max_new_tokens)
-    decoder = StaticGreedyDecoder(model, max_len=prompt_ids.shape[1] + max_new_tokens, batch_size=len(prompts))
-    decoder.generate(prompt_ids, 2)  # one-time work (kernel builds, weight caches) before capture and clock
-    graph_error = None
-    if device.type == "cuda":
-        try:
-            decoder.capture()
-        except Exception as exc:  # an op that cannot be captured: decode with eager steps, and say why
-            decoder.graph, graph_error = None, f"{type(exc).__name__}: {exc}"
-    decoder.generate(prompt_ids, 2)  # graph upload
-    _sync(device)
-    start = time.perf_counter()
-    first = decoder.prefill(prompt_ids)
-    _sync(device)
-    prefilled = time.perf_counter()
-    rest = decoder.steps(max_new_tokens - 1)
-    _sync(device)
-    seconds = time.perf_counter() - prefilled
-    steps = max_new_tokens - 1
-    return {
-        **_completions(tokenizer, torch.cat([first, rest], dim=1)),
-        "prompt_tokens": [len(r) for r in rows],
-        "seconds": seconds,
-        "tokens_per_s": len(prompts) * steps / seconds,
-        "ms_per_step": 1000 * seconds / steps,
-        "prefill_ms": 1000 * (prefilled - start),
-        "cuda_graph": decoder.graph is not None,
-        **({} if graph_error is None else {"graph_error": graph_error}),
-    }
-
-
-def _configs(config):
-    """A model config and its sub-configs, nested ones included, outer first."""
-    found = [config]
-    for key in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None:
-            found += _configs(sub)
-    return found
-
-
-class StaticGreedyDecoder:
-    """Greedy decoding of a batch of equal-length prompts, one decode step capturable in a CUDA graph.
-
-    Use: `dec = StaticGreedyDecoder(model, max_len)`; optionally `dec.capture()` (CUDA; also after
-    earlier generation, as it rewinds the cache first); then `dec.generate(prompt_ids, n)`, or
-    `dec.prefill(prompt_ids)` followed by `dec.steps(n)` to time the two apart. `max_len` bounds
-    prompt + generated tokens (the static cache's length; note that attention then reads all max_len
-    cached positions every step, masked, as with transformers' own static cache). A captured graph
-    freezes whatever the model did while capturing: capture again after changing it
-    (QuantLinear.set_bits, use_kernels, new weights).
-
-    attention: "split" attends in decode steps with `decode_attention` where it can serve them (CUDA,
-    Triton, an SDPA model), and that kernel writes each layer's new key and value into the cache;
-    "sdpa" keeps transformers' SDPA over the masked cache.
-    """
-
-    ATTENTION_MODES = ("split", "sdpa")
-
-    def __init__(self, model, max_len, batch_size=1, attention="split"):
-        from transformers import StaticCache
-
+    def __init__(self, model: Decoder, use_graphs=None):
         self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.max_len, self.batch_size = max_len, batch_size
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # next input token
-        self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # its position
-        self.kv_index = torch.arange(max_len, device=self.device)
-        self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device),
-                             torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
-        # the greedy pick, compiled where Triton is (inductor's reduction: 7.5 µs against ATen's 10.6-11 for
-        # a 32000-entry row on an H100)
-        self._pick = _compiled_pick() if self.device.type == "cuda" and decode_attention.available() else _pick
-        self.graph = None
-        self.filled = 0  # cache positions written by prefill and steps (host-side bookkeeping only)
-        self._in_step = False  # a decode step runs: the cache writes at self.pos (see the module docstring)
-        self._cache_update = self.cache.update
-        self.cache.update = self._update_cache
-        # transformers releases differ: older ones index the static cache by an explicit cache_position,
-        # newer ones keep a device-side counter in the cache; the logits-trimming argument was renamed
-        params = inspect.signature(model.forward).parameters
-        self._pass_cache_position = "cache_position" in params
-        self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
-        attn = getattr(model.config, "_attn_implementation", "sdpa")
-        if attn not in ("sdpa", "eager"):
-            raise QuantkitError(f"StaticGreedyDecoder needs sdpa or eager attention (its mask is additive), not {attn}")
-        if attention not in self.ATTENTION_MODES:
-            raise QuantkitError(f"attention must be one of {', '.join(self.ATTENTION_MODES)}, not {attention!r}")
-        # the split kernel replaces SDPA only: an "eager" model keeps its own attention
-        self.split_attention = (attention == "split" and attn == "sdpa" and self.device.type == "cuda"
-                                and decode_attention.available())
-        if self.split_attention:  # rows share one position
-            self._attention_step = decode_attention.DecodeStep(
-                self.pos, decode_attention.counters(batch_size, model.config.num_attention_heads, self.device),
-                layer_cache=self._layer_cache)
+        self.device = model.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.graphs = {}  # key -> (CUDAGraph, _StepState) or (None, _StepState) after a failed capture
+        self.graph_error = None
+        self._caches = None
 
-    def _layer_cache(self, layer_idx):
-        return _static_layer_kv(self.cache, layer_idx) if self._in_step else None
+    def forget_graphs(self):
+        self.graphs.clear()
 
-    def _update_cache(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kv = self._layer_cache(layer_idx)
-        if kv is None:
-            return self._cache_update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.split_attention:  # its attention call writes them (attention_forward)
-            self._attention_step.pending[layer_idx] = (key_states, value_states)
-            return kv
-        write = _compiled_write_kv() if key_states.is_cuda else decode_attention.write_kv
-        write(kv[0], kv[1], key_states, value_states, self.pos[0])  # rows share one position
-        return kv
+    def _state(self, batch, max_new_tokens):
+        zeros = functools.partial(torch.zeros, dtype=torch.long, device=self.device)
+        return _StepState(zeros(batch), zeros(batch), zeros(batch, max_new_tokens), zeros(1))
 
-    def _mask(self, positions):
-        """Additive mask [B, 1, q, max_len]: 0 where key index <= query position, dtype-min elsewhere."""
-        keep = self.kv_index.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1)
-        return torch.where(keep, *self._mask_values)  # two kernels a step (zeros + not + fill: four)
+    def _step(self, state, pick):
+        logits = self.model.decode(state.ids, state.positions)
+        token = pick(logits)
+        state.ids.copy_(token)
+        state.positions.add_(1)
+        state.out.index_copy_(1, state.count, token[:, None])
+        state.count.add_(1)
 
-    def _next_token(self, ids, positions):
-        kwargs = {"input_ids": ids, "position_ids": positions, "attention_mask": self._mask(positions),
-                  self._cache_arg: self.cache, "use_cache": True}
-        if self._pass_cache_position:
-            kwargs["cache_position"] = positions[0]
-        if self._keep_arg:
-            kwargs[self._keep_arg] = 1
-        if not (self._in_step and self.split_attention):
-            return self._pick(self.model(**kwargs).logits[:, -1])
-        # the step's attention calls go to decode_attention (which falls back to SDPA for anything it
-        # does not serve); the model's own setting is restored at once, so nothing else sees the switch
-        config = self.model.config
-        kwargs[decode_attention.STEP_KWARG] = self._attention_step
-        saved = [(c, c._attn_implementation) for c in _configs(config)]
-        config._attn_implementation = decode_attention.register()  # transformers sets it on sub-configs too
-        try:
-            logits = self.model(**kwargs).logits[:, -1]
-        finally:
-            for c, value in saved:  # outer before inner: each sub-config ends with its own value
-                c._attn_implementation = value
-        if self._attention_step.pending:
-            # some layer's attention never received the step (a model that does not pass its forward
-            # kwargs down): its new key and value are not in the cache and it attended without them.
-            # This decoder goes back to SDPA and the separate cache write, and the step runs again
-            # (writing a position twice is harmless).
-            self._attention_step.pending.clear()
-            self.split_attention = False
-            warnings.warn("split decode attention did not reach every layer of this model; using SDPA", stacklevel=2)
-            return self._next_token(ids, positions)
-        return self._pick(logits)
-
-    def _step(self):
-        self._in_step = True
-        try:
-            self.ids.copy_(self._next_token(self.ids, self.pos))
-        finally:
-            self._in_step = False
-        self.pos.add_(1)
-
-    @torch.inference_mode()
-    def prefill(self, prompt_ids):
-        """Reset the cache, run the prompt [B, P]; returns the first generated token [B, 1]."""
-        batch, length = prompt_ids.shape
-        if batch != self.batch_size:
-            raise QuantkitError(f"decoder built for batch {self.batch_size}, got {batch} prompts")
-        if length >= self.max_len:
-            raise QuantkitError(f"prompt of {length} tokens leaves no room in a static cache of {self.max_len}")
-        self.cache.reset()  # in place: a captured graph keeps pointing at the same cache tensors
-        positions = torch.arange(length, device=self.device).expand(batch, length)
-        self.ids.copy_(self._next_token(prompt_ids.to(self.device), positions))
-        self.pos.fill_(length)
-        self.filled = length
-        return self.ids.clone()
-
-    @torch.inference_mode()
-    def steps(self, n):
-        """n decode steps after prefill (graph replays when captured); returns their tokens [B, n]."""
-        if self.filled + n > self.max_len:
-            raise QuantkitError(f"{n} more tokens overflow the static cache ({self.filled} of {self.max_len} used)")
-        out = torch.empty(self.batch_size, n, dtype=torch.long, device=self.device)
-        for i in range(n):
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step()
-            out[:, i : i + 1].copy_(self.ids)
-        self.filled += n
-        return out
-
-    def generate(self, prompt_ids, new_tokens):
-        """prompt [B, P] -> the `new_tokens` greedy tokens [B, new_tokens]."""
-        first = self.prefill(prompt_ids)
-        return torch.cat([first, self.steps(new_tokens - 1)], dim=1) if new_tokens > 1 else first
-
-    @torch.inference_mode()
-    def warm_up(self, n=2):
-        """Run n >= 1 throwaway decode steps from position 0 of an emptied cache: kernels do their one-time
-        work (lazy layout conversions) and the cache allocates its tensors here, not inside a capture.
-        The cache then holds junk: the next prefill resets it."""
-        if not 1 <= n < self.max_len:
-            raise QuantkitError(f"{n} warm-up steps do not fit a static cache of {self.max_len}")
-        # Steps write at self.pos, transformers' own update (a cache it has not allocated yet) at its
-        # device-side counter: rewind both, or steps after an earlier generate() write past max_len
-        # (index_copy_ out of bounds)
-        self.cache.reset()
-        self.pos.zero_()
-        self.ids.zero_()
-        for _ in range(n):
-            self._step()
-        self.filled = self.max_len  # no steps() before the next prefill
-
-    @torch.inference_mode()
-    def capture(self, warmup=2):
-        """Capture one decode step in a CUDA graph, after `warm_up(warmup)` on a side stream (as CUDA
-        graph capture wants). The captured step is recorded, not run; the next prefill resets the cache."""
-        if self.device.type != "cuda":
-            raise QuantkitError("CUDA graphs need the model on a CUDA device")
-        self.graph = None
+    def _capture(self, state, pick):
+        """Two eager steps on a side stream (kernels build, workspaces and layouts are made, overlapped
+        launches settle: none of it may happen inside a capture), then the step captured. The steps write
+        junk into the cache, which the next prefill overwrites."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            # with split attention the second step is the first whose layers hand their keys over (the
-            # first allocates the cache), so a model that drops them is caught here, not while capturing
-            self.warm_up(max(warmup, 2) if self.split_attention else warmup)
+            for _ in range(2):
+                self._step(state, pick)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        state.count.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._step()
-        self.graph = graph
-        self.filled = self.max_len  # the cache holds warm-up junk until the next prefill
+            self._step(state, pick)
         return graph
+
+    def _prepared(self, batch, max_len, max_new_tokens, sampling, pick):
+        self.model.setup_caches(batch, max_len)
+        if self._caches is not self.model.caches:  # new cache tensors: graphs captured on the old ones are stale
+            self.graphs.clear()
+            self._caches = self.model.caches
+        key = (batch, max_len, max_new_tokens, self.model.weights_version, sampling.greedy, sampling.temperature,
+               sampling.top_k, sampling.top_p)
+        if key not in self.graphs:
+            state = self._state(batch, max_new_tokens)
+            graph = None
+            if self.use_graphs:
+                try:
+                    graph = self._capture(state, pick)
+                except Exception as exc:  # an op that cannot be captured: decode with eager steps, and say why
+                    self.graph_error = f"{type(exc).__name__}: {exc}"
+            self.graphs[key] = (graph, state)
+        return self.graphs[key]
+
+    def prepare(self, batch, prompt_len, max_new_tokens, sampling=Sampling()):
+        """Allocate the caches and capture the decode step for `batch` prompts of at most `prompt_len`
+        tokens and `max_new_tokens`, ahead of `run` (which otherwise does it on first use)."""
+        with torch.inference_mode():
+            self._prepared(batch, prompt_len + max_new_tokens, max_new_tokens, sampling, _picker(sampling, self.device))
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def run(self, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(), stop=None, check_every=CHECK_EVERY):
+        """Generate up to `max_new_tokens` after each prompt (a list of token-id lists, any lengths).
+        A row ends at a token of `eos_ids` (kept) or where stop(tokens) returns a length (the row keeps
+        that many); generation ends when every row has. Returns {"token_ids": per row, "steps": decode
+        steps run, "prefill_ms", "decode_s", "ms_per_token" (decode time per step), "tokens_per_s" (rows x
+        steps / decode time), "cuda_graph"}."""
+        batch, lengths = len(prompt_ids), [len(p) for p in prompt_ids]
+        if batch == 0 or min(lengths) == 0:
+            raise QuantkitError("give at least one non-empty prompt")
+        if max_new_tokens < 1:
+            raise QuantkitError("--max-new-tokens must be at least 1")
+        cfg = self.model.cfg
+        max_len = max(lengths) + max_new_tokens
+        if max_len > cfg.max_position_embeddings:
+            raise QuantkitError(f"prompt ({max(lengths)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                                f"model's context of {cfg.max_position_embeddings} tokens")
+        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+            raise QuantkitError(f"prompt + --max-new-tokens ({max_len}) exceeds the attention window of "
+                                f"{cfg.sliding_window} tokens, which the fast decoder does not apply")
+        pick = _picker(sampling, self.device)
+        graph, state = self._prepared(batch, max_len, max_new_tokens, sampling, pick)
+        ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+        for row, prompt in enumerate(prompt_ids):
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+        ids, lengths_t = ids.to(self.device), torch.tensor(lengths, device=self.device)
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed)  # the default generators, which the captured step draws from
+        self._sync()
+        start = time.perf_counter()
+        first = pick(self.model.prefill(ids, lengths_t))
+        state.ids.copy_(first)
+        state.positions.copy_(lengths_t)
+        state.out[:, 0] = first
+        state.count.fill_(1)
+        self._sync()
+        prefilled = time.perf_counter()
+        ended = {} if eos_ids or stop else None  # row -> tokens it keeps
+        steps = 0
+        while steps < max_new_tokens - 1:
+            chunk = min(check_every if ended is not None else max_new_tokens, max_new_tokens - 1 - steps)
+            for _ in range(chunk):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._step(state, pick)
+            steps += chunk
+            if ended is not None and self._all_ended(state.out[:, : steps + 1].tolist(), ended, eos_ids, stop):
+                break
+        self._sync()
+        decode_s = time.perf_counter() - prefilled
+        rows = state.out[:, : steps + 1].tolist()
+        if ended is not None:
+            self._all_ended(rows, ended, eos_ids, stop)
+            rows = [row[: ended.get(r, len(row))] for r, row in enumerate(rows)]
+        return {"token_ids": rows,
+                "steps": steps, "prefill_ms": 1000 * (prefilled - start), "decode_s": decode_s,
+                "ms_per_token": 1000 * decode_s / steps if steps else None,
+                "tokens_per_s": batch * steps / decode_s if steps else None, "cuda_graph": graph is not None}
+
+    @staticmethod
+    def _all_ended(rows, ended, eos_ids, stop):
+        """Record in `ended` the rows that reached an eos token or a stop; whether all have."""
+        for r, row in enumerate(rows):
+            if r in ended:
+                continue
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), None)
+            if stop is not None:
+                stopped = stop(row if cut is None else row[:cut])
+                cut = stopped if stopped is not None else cut
+            if cut is not None:
+                ended[r] = cut
+        return len(ended) == len(rows)
+
+
+# --- text in, text out -----------------------------------------------------------------------------------
+
+
+def encode_prompts(tokenizer, prompts, chat=False):
+    """Token ids of each prompt; with chat, as the user turn of the tokenizer's chat template, followed by
+    the assistant's turn opening."""
+    prompts = list(prompts)
+    if not prompts:
+        raise QuantkitError("give at least one --prompt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise QuantkitError("--chat: this tokenizer has no chat template")
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        rows = [tokenizer(p)["input_ids"] for p in prompts]
+    if any(len(r) == 0 for r in rows):
+        raise QuantkitError("a --prompt is empty after tokenization")
+    return rows
+
+
+def _stop_at_strings(tokenizer, stop_strings):
+    """stop(tokens) -> the number of tokens up to the one that completes the first stop string, or None."""
+    if not stop_strings:
+        return None
+
+    def stop(tokens):
+        if not any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop_strings):
+            return None
+        return next(n for n in range(1, len(tokens) + 1)
+                    if any(s in tokenizer.decode(tokens[:n], skip_special_tokens=True) for s in stop_strings))
+
+    return stop
+
+
+def _completion_text(tokenizer, tokens, stop_strings):
+    """The decoded completion, cut before the first stop string."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cuts = [text.index(s) for s in stop_strings if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def eos_token_ids(tokenizer, model):
+    """End-of-sequence ids: the tokenizer's and the model config's (some chat models list several)."""
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if isinstance(model, Decoder):
+        ids.update(model.cfg.eos_token_ids)
+    else:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return ids
+
+
+def generate(model, tokenizer, prompts, max_new_tokens=64, sampling=Sampling(), stop_strings=(), chat=False,
+             generator=None):
+    """Complete each prompt with a fast Decoder (a FastGenerator; pass `generator` to keep its graphs across
+    calls) or a transformers model. Returns {"runtime": "fast" | "transformers", "completions", "token_ids"
+    (new ids per prompt, up to and including an eos, or up to the stop string), "new_tokens", "prompt_tokens",
+    "ms_per_token", "tokens_per_s", "seconds", ...}: see FastGenerator.run and generate_transformers."""
+    rows = encode_prompts(tokenizer, prompts, chat)
+    stop_strings = [s for s in stop_strings if s]
+    eos = eos_token_ids(tokenizer, model)
+    if isinstance(model, Decoder):
+        generator = generator or FastGenerator(model)
+        out = generator.run(rows, max_new_tokens, sampling, eos, _stop_at_strings(tokenizer, stop_strings))
+        out.update(runtime="fast", seconds=out["prefill_ms"] / 1000 + out["decode_s"])
+        if generator.graph_error and not out["cuda_graph"]:
+            out["graph_error"] = generator.graph_error
+    else:
+        out = generate_transformers(model, tokenizer, rows, max_new_tokens, sampling, eos, stop_strings)
+    out["completions"] = [_completion_text(tokenizer, ids, stop_strings) for ids in out["token_ids"]]
+    out["new_tokens"] = [len(ids) for ids in out["token_ids"]]
+    out["prompt_tokens"] = [len(r) for r in rows]
+    return out
+
+
+@torch.inference_mode()
+def generate_transformers(model, tokenizer, rows, max_new_tokens, sampling=Sampling(), eos_ids=(), stop_strings=()):
+    """The prompts' token ids `rows` completed with `model.generate` (KV cache on; loaded artifacts set
+    config.use_cache = False for perplexity, which generation must not inherit), left-padded as a batch.
+    The clock starts after one untimed forward, which pays one-time costs (weight caches, kernel builds).
+    Returns {"runtime": "transformers", "token_ids", "seconds", "ms_per_token" (all time / positions
+    generated), "tokens_per_s" (new tokens / all time)}."""
+    device = next(model.parameters()).device
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and width + max_new_tokens > limit:
+        raise QuantkitError(f"prompt ({width} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {limit} tokens")
+    kwargs = {"max_new_tokens": max_new_tokens, "use_cache": True, "pad_token_id": pad,
+              "do_sample": not sampling.greedy, "eos_token_id": sorted(eos_ids) or None}
+    if stop_strings:
+        kwargs.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
+    if sampling.greedy:
+        kwargs.update(temperature=None, top_p=None, top_k=None)  # silence the model's own sampling defaults
+    else:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    model(input_ids=ids[:, :1], use_cache=False)  # warm-up, see the docstring
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if not sampling.greedy:
+        torch.manual_seed(sampling.seed)
+    start = time.perf_counter()
+    new = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    stop = _stop_at_strings(tokenizer, stop_strings)
+    token_ids = []
+    for row in new.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        stopped = stop(row[:cut]) if stop is not None else None
+        token_ids.append(row[: stopped or cut])
+    return {"runtime": "transformers", "token_ids": token_ids, "seconds": seconds,
+            "ms_per_token": 1000 * seconds / max(new.shape[1], 1),
+            "tokens_per_s": sum(map(len, token_ids)) / seconds, "cuda_graph": False}
+
+
+# --- which model generates ---------------------------------------------------------------------------------
+
+RUNTIMES = ("auto", "fast", "transformers")
+
+
+def load_for_generation(src, device, dtype=None, verify=True, bits=None, runtime="auto"):
+    """(model, tokenizer, source, note) for `quantkit generate`: the fast Decoder where `runtime` is "fast",
+    or "auto" on CUDA for an architecture it serves; the transformers model otherwise. `note` says which
+    runs, and why when auto chose the transformers model."""
+    from quantkit.models import load_tokenizer, resolve_source
+    from quantkit.pipeline import load_for_eval, resolve_device, resolve_dtype
+    from quantkit.runtime.loader import _model_config
+    from quantkit.runtime.model import DecoderConfig, UnsupportedModel
+    from quantkit.runtime.weights import decoder_from_transformers, load_decoder
+
+    if runtime not in RUNTIMES:
+        raise QuantkitError(f"--runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
+    device = resolve_device(device)
+    fast_note = "runtime: fast decoder (quantkit's Llama-family model, static KV cache" + (
+        ", CUDA-graph decode steps)" if device.startswith("cuda") else ", eager steps)")
+    if runtime == "auto" and not device.startswith("cuda"):
+        runtime, why = "transformers", "the fast decoder runs on CUDA"
+    else:
+        why = None
+    source = resolve_source(src)
+    if runtime != "transformers" and source.kind == "artifact":
+        from quantkit.artifact import read_config
+
+        try:
+            DecoderConfig.from_transformers(_model_config(read_config(source.path)))
+        except UnsupportedModel as exc:
+            if runtime == "fast":
+                raise
+            runtime, why = "transformers", str(exc)
+        else:
+            model = load_decoder(source.path, device, resolve_dtype(dtype, device), verify, bits)
+            return model, load_tokenizer(source), source, fast_note
+    model, tokenizer, source = load_for_eval(src, device, dtype, verify=verify, bits=bits)
+    if runtime != "transformers":
+        try:
+            fast = decoder_from_transformers(model)
+        except UnsupportedModel as exc:
+            if runtime == "fast":
+                raise
+            why = str(exc)
+        else:
+            del model
+            return fast, tokenizer, source, fast_note
+    return model, tokenizer, source, "runtime: transformers model" + (f" ({why})" if why else "")

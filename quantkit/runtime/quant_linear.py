@@ -78,7 +78,7 @@ class QuantLinear(torch.nn.Module):
         """x @ weightᵀ (bias-free layers) as the kernel's fp32 partial sums, without the step that finishes
         them, or None where no kernel offers it (nothing ran then). The returned [..., out_features] view
         of the module's workspace rounds to what forward returns in fp16. The caller must read it and zero
-        it before this module runs again (runtime.fusion's consumers do both in one kernel)."""
+        it before this module runs again (the fast decoder's consuming operators do both in one kernel)."""
         return kernel_accumulate(self, x)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """The runtime's Triton kernels are built on first use, and only where Triton is installed."""
 
 import functools
+import os
 
 
 def lazy_kernel(build):
@@ -18,3 +19,9 @@ def lazy_kernel(build):
         return build(triton, tl)
 
     return kernel
+
+
+def runs_on(tensor):
+    """Whether the kernels can take `tensor`: a CUDA tensor, or any tensor under Triton's interpreter
+    (TRITON_INTERPRET=1, how the tests run the kernels' code on the CPU)."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -19,8 +19,13 @@ template <int K, typename T, int NB, int FLAGS>
 __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) rows_kernel(const MatvecArgs args) {
   using C = RowsConfig<K, NB, FLAGS>;
   constexpr int S = C::STAGES, NBG = C::NBG;
-  __shared__ __align__(16) uint32_t table[C::TABLE_WORDS];
+  // the table: dynamic and aligned where lookups or its address in (TABLE_OR), else static (at batch 8 the compiler
+  // then folds its address into the lookups' uniform-register operand)
+  __shared__ __align__(16) uint32_t static_table[C::TABLE_OR ? 4 : C::TABLE_WORDS];
   extern __shared__ __align__(16) unsigned char ring_smem[];
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
+  const uint32_t table_off = rows_table_offset<K, NB, FLAGS>(smem_base);
+  uint32_t* table = C::TABLE_OR ? reinterpret_cast<uint32_t*>(ring_smem + table_off) : static_table;
   qk::allow_next_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int M = args.M, W = args.W, split = gridDim.y, rank = blockIdx.y;
@@ -75,8 +80,13 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     xa[bg] = x + size_t(on_a[bg] ? ra : 0) * args.ldx;
     xb[bg] = x + size_t(on_b[bg] ? rb : 0) * args.ldx;
   }
+  const uint32_t table_addr = C::TABLE_OR ? smem_base + table_off : 0u;
+  const uint32_t lane_addr = C::TABLE_OR ? table_addr | uint32_t(lane) * 4u : uint32_t(lane) * 4u;
   const char* table_bytes = reinterpret_cast<const char*>(table);
-  auto lookup = [&](uint32_t off) { return *reinterpret_cast<const uint32_t*>(table_bytes + off); };
+  // TABLE_OR: a window address; else a byte offset into the static table
+  auto lookup = [&](uint32_t addr) {
+    return C::TABLE_OR ? lds32(addr) : *reinterpret_cast<const uint32_t*>(table_bytes + addr);
+  };
 
   float acc[2][NBG][4] = {};
   int stage = 0;
@@ -96,7 +106,7 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
       uint32_t va[16], vb[16];
       rows_xword(xa[0] + 32 * w, on_a[0], va);
       if constexpr (NB == 4) rows_xword(xb[0] + 32 * w, on_b[0], vb);
-      rows_decode_word<K>(R, uint32_t(lane) * 4u, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
         uint32_t a[4] = {0u, 0u, 0u, 0u};
         rows_afrag_of(va, j, a[0], a[2]);
         if constexpr (NB == 4) rows_afrag_of(vb, j, a[1], a[3]);
@@ -104,7 +114,7 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
         mma16816<T>(acc[1][0], a, b[1][0], b[1][1]);
       });
     } else {
-      rows_decode_word<K>(R, uint32_t(lane) * 4u, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
 #pragma unroll
         for (int bg = 0; bg < NBG; ++bg) {
           uint32_t a[4];
@@ -172,8 +182,8 @@ template <typename T, int K, int NB, int FLAGS>
 int launch_rows_instance(int split, const MatvecArgs& a, const Launch& on) {
   using C = RowsConfig<K, NB, FLAGS>;
   auto kernel = rows_kernel<K, T, NB, FLAGS>;
-  const int carveout = std::min(
-      100, (100 * C::MIN_BLOCKS * (C::DYN_BYTES + C::TABLE_WORDS * 4 + 1024) + 228 * 1024 - 1) / (228 * 1024));
+  constexpr int block_bytes = C::DYN_BYTES + (C::TABLE_OR ? 16 : C::TABLE_BYTES) + 1024;
+  const int carveout = std::min(100, (100 * C::MIN_BLOCKS * block_bytes + 228 * 1024 - 1) / (228 * 1024));
   if (qk::configure_once<rows_kernel<K, T, NB, FLAGS>>(C::DYN_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
   cudaLaunchAttribute attributes[2] = {};
   int n = 0;

@@ -46,17 +46,37 @@ struct RowsConfig {
   static constexpr int STEP_BYTES = LINES * 128;
   static constexpr int CHUNKS = LINES * 8;  // 16-byte copies per warp step
   static constexpr int MIN_BLOCKS = (K >= 7 ? 2 : 3) + ((FLAGS & FLAG_OCC) ? 1 : 0);
-  // shared memory per block: the table (static), the ring (dynamic; the partial sums reuse it at the end)
-  static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - TABLE_WORDS * 4;
+  // A lookup's address is (code << 7 & mask) | (table | lane * 4), one LOP3, where the table starts at a multiple of
+  // its own size in the shared window; otherwise the table's address is added (one more IMAD per weight, 13 % of
+  // the loop). The window's base is known only to be 16-byte aligned, so the aligned start is found at run time
+  // in TABLE_SLACK spare bytes: worth it up to AP_ROWS_TABLE_OR_MAX_K (8 KB of slack at k = 6), not at 7-8 whose
+  // 16-32 KB would cost ring depth.
+  static constexpr int TABLE_BYTES = TABLE_WORDS * 4;
+  static constexpr bool TABLE_OR = K <= AP_ROWS_TABLE_OR_MAX_K;
+  static constexpr int TABLE_SLACK = TABLE_OR ? TABLE_BYTES - 16 : 0;
+  // shared memory per block, all dynamic: the ring (the 8 warps' partial sums reuse it at the end), then the
+  // table (the block's sums, read by the cluster's first block, reuse it)
+  static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - 16 - TABLE_BYTES - TABLE_SLACK;
   static constexpr int STAGES_FIT = RING_ROOM / (WARPS * STEP_BYTES);
   static constexpr int STAGES = STAGES_FIT >= AP_ROWS_STAGES ? AP_ROWS_STAGES : STAGES_FIT;
   static_assert(STAGES >= 2, "the ring needs two steps");
   static constexpr int WARP_RING_BYTES = STAGES * STEP_BYTES;
   static constexpr int RING_BYTES = WARPS * WARP_RING_BYTES;
   static constexpr int RED_BYTES = WARPS * 2 * NBG * 32 * 16;
-  static constexpr int DYN_BYTES = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
+  static constexpr int RING_AREA = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
+  static constexpr int DYN_BYTES = RING_AREA + (TABLE_OR ? TABLE_SLACK + TABLE_BYTES : 0);  // else a static table
+  static_assert(DYN_BYTES + TABLE_BYTES <= 227 * 1024, "a block's shared memory");
   static_assert(TABLE_WORDS >= ROWS * 8, "the partial sums of a cluster reuse the table");
 };
+
+// Byte offset of the table in the dynamic shared memory whose window address is `base` (RowsConfig::TABLE_OR): past
+// the ring area, at the next multiple of the table's size.
+template <int K, int NB, int FLAGS>
+AP_HD uint32_t rows_table_offset(uint32_t base) {
+  using C = RowsConfig<K, NB, FLAGS>;
+  const uint32_t end = base + uint32_t(C::RING_AREA);
+  return ((end + uint32_t(C::TABLE_BYTES) - 1) & ~uint32_t(C::TABLE_BYTES - 1)) - base;
+}
 
 // Item i of the table fill of the block starting at row0: lane l = i % 32 and entries 8c..8c+7 (c = i / 32)
 // of rows row0 + l and row0 + 32 + l, read as 16 bytes each (zeros past M), stored as 8 words at
@@ -151,9 +171,10 @@ AP_HD uint32_t rows_merge(const uint32_t (&R)[K], int j) {
 
 // Decode one word of this lane's two rows (R[h][p] = rows-layout word p of row 32h + lane) and hand the B fragments of
 // each merged word j (b[h][0] = columns c0, c1, b[h][1] = c2, c3 of row 32h + lane) to mma(j, b).
-// lookup(byte offset) reads the table word at that offset; lane4 = lane * 4.
-template <int K, typename Lookup, typename Mma>
-AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow2& p2, Lookup&& lookup, Mma&& mma) {
+// lookup(address) reads the table word at a shared-window address; lane_addr = the table's address | lane * 4 where
+// OR (the table aligned to its size), else + lane * 4.
+template <int K, bool OR, typename Lookup, typename Mma>
+AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane_addr, const Pow2& p2, Lookup&& lookup, Mma&& mma) {
   constexpr uint32_t MASK = (1u << K) - 1;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -164,7 +185,10 @@ AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow
       const uint32_t merged = rows_merge<K>(R[h], j);
       uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = lookup((code_at_bit7<K>(merged, 8 * i + j, p2) & (MASK << 7)) | lane4);
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t code128 = code_at_bit7<K>(merged, 8 * i + j, p2) & (MASK << 7);
+        w[i] = lookup(OR ? code128 | lane_addr : code128 + lane_addr);
+      }
       const uint32_t sel = h == 0 ? 0x5410u : 0x7632u;  // row l: low halves; row 32 + l: high halves
       b[h][0] = prmt(w[0], w[1], sel);
       b[h][1] = prmt(w[2], w[3], sel);

@@ -327,9 +327,17 @@ static double run_rows(const Problem& Pb, int split) {
   const uint16_t* lut = Pb.lut[K].data();
   const T* x = reinterpret_cast<const T*>(Pb.x.data());
   std::vector<uint32_t> table(C::TABLE_WORDS);
-  auto lookup = [&](uint32_t off) {
+  // the kernel's placement of the table in a shared window whose dynamic part starts at an awkward 16-byte
+  // multiple: inside the block's shared memory and, where lookups or its address in, aligned to its size
+  // (a static table otherwise: lookups take byte offsets)
+  const uint32_t window = 0x400 + 0x30 * K;
+  const uint32_t table_addr = C::TABLE_OR ? window + rows_table_offset<K, NB, FLAGS>(window) : 0u;
+  if (C::TABLE_OR && (table_addr - window + C::TABLE_BYTES > uint32_t(C::DYN_BYTES) ||
+                      table_addr - window < uint32_t(C::RING_AREA) || table_addr % C::TABLE_BYTES != 0))
+    return 2e30;
+  auto lookup = [&](uint32_t addr) {
     uint32_t v;
-    std::memcpy(&v, reinterpret_cast<const char*>(table.data()) + off, 4);
+    std::memcpy(&v, reinterpret_cast<const char*>(table.data()) + (addr - table_addr), 4);
     return v;
   };
   Pow2 p2;
@@ -352,7 +360,8 @@ static double run_rows(const Problem& Pb, int split) {
             uint32_t R[2][K];
             for (int h = 0; h < 2; ++h)
               for (int p = 0; p < K; ++p) R[h][p] = rl[((size_t(p) * G + 2 * blk + h) * Wp + w) * 32 + lane];
-            rows_decode_word<K>(R, uint32_t(lane) * 4u, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+            const uint32_t lane_addr = C::TABLE_OR ? table_addr | uint32_t(lane) * 4u : table_addr + uint32_t(lane) * 4u;
+            rows_decode_word<K, C::TABLE_OR>(R, lane_addr, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
               Rec rec{};
               for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
               for (int bg = 0; bg < C::NBG; ++bg) {

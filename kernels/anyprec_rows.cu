@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     return C::TABLE_OR ? lds32(addr) : *reinterpret_cast<const uint32_t*>(table_bytes + addr);
   };
 
-  float acc[2][NBG][4] = {};
+  float acc[2][C::SETS][4] = {};
   int stage = 0;
   for (int s = 0; s < steps; ++s) {
     qk::wait_async<S - 2>();  // this lane's copies of step s have landed
@@ -101,25 +101,44 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
 #pragma unroll
       for (int h = 0; h < 2; ++h) R[h][p] = lds32(ring_addr + stage * C::STEP_BYTES + (p * 2 + h) * 128);
     const int w = first + stride * s;
-    if constexpr (NB <= 4) {
-      // the word's x, loaded once: batch row ra (a0 / a2) and, in class 4, rb (a1 / a3)
+    if constexpr (NB == 2) {
+      // the word's x of batch row ra, its 16-byte loads the A fragments as they stand (rows_aquad_of)
+      uint32_t va[16];
+      rows_xword(xa[0] + 32 * w, on_a[0], va);
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+        uint32_t a[4];
+        rows_aquad_of(va, j, a);
+        mma16816<T>(acc[0][j & 1], a, b[0][0], b[0][1]);
+        mma16816<T>(acc[1][j & 1], a, b[1][0], b[1][1]);
+      });
+    } else if constexpr (NB == 4) {
+      // the word's x, loaded once: batch rows ra (a0 / a2) and rb (a1 / a3)
       uint32_t va[16], vb[16];
       rows_xword(xa[0] + 32 * w, on_a[0], va);
-      if constexpr (NB == 4) rows_xword(xb[0] + 32 * w, on_b[0], vb);
+      rows_xword(xb[0] + 32 * w, on_b[0], vb);
       rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
-        uint32_t a[4] = {0u, 0u, 0u, 0u};
+        uint32_t a[4];
         rows_afrag_of(va, j, a[0], a[2]);
-        if constexpr (NB == 4) rows_afrag_of(vb, j, a[1], a[3]);
+        rows_afrag_of(vb, j, a[1], a[3]);
         mma16816<T>(acc[0][0], a, b[0][0], b[0][1]);
         mma16816<T>(acc[1][0], a, b[1][0], b[1][1]);
       });
     } else {
+      // x per pair of merged words (16 bytes per batch row: 16 more registers, not 64)
+      uint32_t qa[NBG][4], qb[NBG][4];
       rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+        if ((j & 1) == 0) {
+#pragma unroll
+          for (int bg = 0; bg < NBG; ++bg) {
+            rows_xquad(xa[bg] + 32 * w, on_a[bg], j >> 1, qa[bg]);
+            rows_xquad(xb[bg] + 32 * w, on_b[bg], j >> 1, qb[bg]);
+          }
+        }
 #pragma unroll
         for (int bg = 0; bg < NBG; ++bg) {
           uint32_t a[4];
-          rows_afrag(xa[bg] + 32 * w, on_a[bg], j, a[0], a[2]);
-          rows_afrag(xb[bg] + 32 * w, on_b[bg], j, a[1], a[3]);
+          rows_afrag_quad(qa[bg], j, a[0], a[2]);
+          rows_afrag_quad(qb[bg], j, a[1], a[3]);
           mma16816<T>(acc[0][bg], a, b[0][0], b[0][1]);
           mma16816<T>(acc[1][bg], a, b[1][0], b[1][1]);
         }
@@ -128,6 +147,13 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     stage = stage + 1 == S ? 0 : stage + 1;
   }
   qk::wait_async<0>();
+  if constexpr (NB == 2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the odd merged words' sums sit in rows 8-15 of the second accumulator
+      acc[h][0][0] += acc[h][1][2];
+      acc[h][0][1] += acc[h][1][3];
+    }
+  }
   __syncthreads();  // every warp is done with the ring and the table
 
   // the 8 warps' partial sums: [warp][h][bg][lane] float4, over the ring

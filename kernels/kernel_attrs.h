@@ -12,8 +12,8 @@
 namespace qk {
 
 // Kernel: the __global__ function; smem: its dynamic shared memory in bytes (its static shared memory counts
-// toward the same 48 KB default); carveout: percent of
-// the unified L1 / shared memory to make shared, or -1 to leave the driver's choice.
+// toward the same 48 KB default); carveout: percent of the unified L1 / shared memory to make shared, or -1 to
+// leave the driver's choice.
 template <auto Kernel>
 cudaError_t configure_once(int smem, int carveout) {
   static std::atomic<uint64_t> done{0};  // one bit per device below 64; devices beyond: every call

@@ -19,8 +19,13 @@ template <int K, typename T, int NB, int FLAGS>
 __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) rows_kernel(const MatvecArgs args) {
   using C = RowsConfig<K, NB, FLAGS>;
   constexpr int S = C::STAGES, NBG = C::NBG;
-  __shared__ __align__(16) uint32_t table[C::TABLE_WORDS];
+  // the table: dynamic and aligned where lookups or its address in (TABLE_OR), else static (at batch 8 the compiler
+  // then folds its address into the lookups' uniform-register operand)
+  __shared__ __align__(16) uint32_t static_table[C::TABLE_OR ? 4 : C::TABLE_WORDS];
   extern __shared__ __align__(16) unsigned char ring_smem[];
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
+  const uint32_t table_off = rows_table_offset<K, NB, FLAGS>(smem_base);
+  uint32_t* table = C::TABLE_OR ? reinterpret_cast<uint32_t*>(ring_smem + table_off) : static_table;
   qk::allow_next_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int M = args.M, W = args.W, split = gridDim.y, rank = blockIdx.y;
@@ -75,10 +80,15 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     xa[bg] = x + size_t(on_a[bg] ? ra : 0) * args.ldx;
     xb[bg] = x + size_t(on_b[bg] ? rb : 0) * args.ldx;
   }
+  const uint32_t table_addr = C::TABLE_OR ? smem_base + table_off : 0u;
+  const uint32_t lane_addr = C::TABLE_OR ? table_addr | uint32_t(lane) * 4u : uint32_t(lane) * 4u;
   const char* table_bytes = reinterpret_cast<const char*>(table);
-  auto lookup = [&](uint32_t off) { return *reinterpret_cast<const uint32_t*>(table_bytes + off); };
+  // TABLE_OR: a window address; else a byte offset into the static table
+  auto lookup = [&](uint32_t addr) {
+    return C::TABLE_OR ? lds32(addr) : *reinterpret_cast<const uint32_t*>(table_bytes + addr);
+  };
 
-  float acc[2][NBG][4] = {};
+  float acc[2][C::SETS][4] = {};
   int stage = 0;
   for (int s = 0; s < steps; ++s) {
     qk::wait_async<S - 2>();  // this lane's copies of step s have landed
@@ -91,25 +101,44 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
 #pragma unroll
       for (int h = 0; h < 2; ++h) R[h][p] = lds32(ring_addr + stage * C::STEP_BYTES + (p * 2 + h) * 128);
     const int w = first + stride * s;
-    if constexpr (NB <= 4) {
-      // the word's x, loaded once: batch row ra (a0 / a2) and, in class 4, rb (a1 / a3)
+    if constexpr (NB == 2) {
+      // the word's x of batch row ra, its 16-byte loads the A fragments as they stand (rows_aquad_of)
+      uint32_t va[16];
+      rows_xword(xa[0] + 32 * w, on_a[0], va);
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+        uint32_t a[4];
+        rows_aquad_of(va, j, a);
+        mma16816<T>(acc[0][j & 1], a, b[0][0], b[0][1]);
+        mma16816<T>(acc[1][j & 1], a, b[1][0], b[1][1]);
+      });
+    } else if constexpr (NB == 4) {
+      // the word's x, loaded once: batch rows ra (a0 / a2) and rb (a1 / a3)
       uint32_t va[16], vb[16];
       rows_xword(xa[0] + 32 * w, on_a[0], va);
-      if constexpr (NB == 4) rows_xword(xb[0] + 32 * w, on_b[0], vb);
-      rows_decode_word<K>(R, uint32_t(lane) * 4u, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
-        uint32_t a[4] = {0u, 0u, 0u, 0u};
+      rows_xword(xb[0] + 32 * w, on_b[0], vb);
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+        uint32_t a[4];
         rows_afrag_of(va, j, a[0], a[2]);
-        if constexpr (NB == 4) rows_afrag_of(vb, j, a[1], a[3]);
+        rows_afrag_of(vb, j, a[1], a[3]);
         mma16816<T>(acc[0][0], a, b[0][0], b[0][1]);
         mma16816<T>(acc[1][0], a, b[1][0], b[1][1]);
       });
     } else {
-      rows_decode_word<K>(R, uint32_t(lane) * 4u, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+      // x per pair of merged words (16 bytes per batch row: 16 more registers, not 64)
+      uint32_t qa[NBG][4], qb[NBG][4];
+      rows_decode_word<K, C::TABLE_OR>(R, lane_addr, args.pow2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+        if ((j & 1) == 0) {
+#pragma unroll
+          for (int bg = 0; bg < NBG; ++bg) {
+            rows_xquad(xa[bg] + 32 * w, on_a[bg], j >> 1, qa[bg]);
+            rows_xquad(xb[bg] + 32 * w, on_b[bg], j >> 1, qb[bg]);
+          }
+        }
 #pragma unroll
         for (int bg = 0; bg < NBG; ++bg) {
           uint32_t a[4];
-          rows_afrag(xa[bg] + 32 * w, on_a[bg], j, a[0], a[2]);
-          rows_afrag(xb[bg] + 32 * w, on_b[bg], j, a[1], a[3]);
+          rows_afrag_quad(qa[bg], j, a[0], a[2]);
+          rows_afrag_quad(qb[bg], j, a[1], a[3]);
           mma16816<T>(acc[0][bg], a, b[0][0], b[0][1]);
           mma16816<T>(acc[1][bg], a, b[1][0], b[1][1]);
         }
@@ -118,6 +147,13 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     stage = stage + 1 == S ? 0 : stage + 1;
   }
   qk::wait_async<0>();
+  if constexpr (NB == 2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the odd merged words' sums sit in rows 8-15 of the second accumulator
+      acc[h][0][0] += acc[h][1][2];
+      acc[h][0][1] += acc[h][1][3];
+    }
+  }
   __syncthreads();  // every warp is done with the ring and the table
 
   // the 8 warps' partial sums: [warp][h][bg][lane] float4, over the ring
@@ -172,8 +208,8 @@ template <typename T, int K, int NB, int FLAGS>
 int launch_rows_instance(int split, const MatvecArgs& a, const Launch& on) {
   using C = RowsConfig<K, NB, FLAGS>;
   auto kernel = rows_kernel<K, T, NB, FLAGS>;
-  const int carveout = std::min(
-      100, (100 * C::MIN_BLOCKS * (C::DYN_BYTES + C::TABLE_WORDS * 4 + 1024) + 228 * 1024 - 1) / (228 * 1024));
+  constexpr int block_bytes = C::DYN_BYTES + (C::TABLE_OR ? 16 : C::TABLE_BYTES) + 1024;
+  const int carveout = std::min(100, (100 * C::MIN_BLOCKS * block_bytes + 228 * 1024 - 1) / (228 * 1024));
   if (qk::configure_once<rows_kernel<K, T, NB, FLAGS>>(C::DYN_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
   cudaLaunchAttribute attributes[2] = {};
   int n = 0;

@@ -14,7 +14,8 @@
 //   different banks.
 //   planes: the rows layout (anyprec_gemm.rows_layout), int32 [n, G, Wp, 32] with G = 2 * ceil(M / 64):
 //   word w of row 32 * grp + l of "plane" p at ((p * G + grp) * Wp + w) * 32 + l. Planes 4..n-1 are the
-//   kernel layout's words (LAYOUT: rotated by p, columns permuted by pi); the top four, which every width
+//   kernel layout's words with the columns permuted by rows_sigma instead of pi (still rotated by p: bit s of
+//   plane p holds column rows_sigma((s - p) mod 32)); the top four, which every width
 //   here reads, are stored already merged: slot p < 4 holds U_p, the bits of planes 0..3 that merged words
 //   j = p and j = p + 4 take (rows_merge), so a merged word costs k - 4 selects instead of k - 1 (k = 4:
 //   none). A warp step (one word of 64 rows and k planes) is 2k whole 128-byte lines, copied with 16-byte
@@ -22,10 +23,14 @@
 //
 // The mma (m16n8k16) with the weights as B and x as A: lane (g, t) holds B[2t, 2t+1][g] and B[2t+8, 2t+9][g],
 // here four weights of its own row at the four columns c0..c3 of a merged word (codes of slots j, 8 + j,
-// 16 + j, 24 + j: columns pi(j), pi(j) + 1, pi(j) + 16, pi(j) + 17). Row m = 4b + t' of A holds x[b] at the
-// k-slots of lanes with t = t' and zeros elsewhere, so D[4b + t'][n] is the dot product of batch row b
-// with the row of lane 4n + t': one mma serves 32 rows x 4 columns x 4 batch rows, two serve batch 8. Only
-// the 8 lanes with t = g % 4 hold non-zero A fragments; the others pass zeros.
+// 16 + j, 24 + j: columns c, c + 1, c + 4, c + 5 with c = rows_col0(j) = 8 (j / 2) + 2 (j % 2)). Row m = 4b + t'
+// of A holds x[b] at the k-slots of lanes with t = t' and zeros elsewhere, so D[4b + t'][n] is the dot product
+// of batch row b with the row of lane 4n + t': one mma serves 32 rows x 4 columns x 4 batch rows, two serve
+// batch 8. Only the 8 lanes with t = g % 4 hold non-zero A fragments; the others pass zeros.
+// Batch class 2 passes the A fragment straight from the 16-byte x load of columns 8q..8q+7 (q = j / 2), as the
+// registers (x pairs 8q, 8q + 2, 8q + 4, 8q + 6) with no moves: even j use a0 / a2 (columns c..c + 5 with
+// c = 8q) and read D rows 0-7, odd j a1 / a3 (c = 8q + 2) and read D rows 8-15 of a second accumulator; the
+// other half of each is garbage and never read (rows 8-15 would be batch rows 2-3).
 #pragma once
 
 #include "anyprec_decode.cuh"
@@ -33,12 +38,13 @@
 namespace anyprec {
 
 // NB: the largest batch an instance serves, 2, 4 or 8 (A fragments a1 / a3 carry batch rows 2, 3 and a second
-// mma per row half batch rows 4..7).
+// mma per row half batch rows 4..7; batch class 2 uses a1 / a3 for odd merged words, in a second accumulator).
 template <int K, int NB, int FLAGS>
 struct RowsConfig {
   static_assert(K >= 4 && K <= 8, "the row-per-lane kernel serves widths 4..8");
   static_assert(NB == 2 || NB == 4 || NB == 8, "batch classes 2, 4 and 8");
   static constexpr int NBG = NB == 8 ? 2 : 1;  // mma per row half and merged word
+  static constexpr int SETS = NB == 2 ? 2 : NBG;  // accumulators per row half
   static constexpr int WARPS = 8, THREADS = WARPS * 32, ROWS = 64;
   static constexpr uint32_t MASK = (1u << K) - 1;
   static constexpr int TABLE_WORDS = (1 << K) * 32;
@@ -46,17 +52,37 @@ struct RowsConfig {
   static constexpr int STEP_BYTES = LINES * 128;
   static constexpr int CHUNKS = LINES * 8;  // 16-byte copies per warp step
   static constexpr int MIN_BLOCKS = (K >= 7 ? 2 : 3) + ((FLAGS & FLAG_OCC) ? 1 : 0);
-  // shared memory per block: the table (static), the ring (dynamic; the partial sums reuse it at the end)
-  static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - TABLE_WORDS * 4;
+  // A lookup's address is (code << 7 & mask) | (table | lane * 4), one LOP3, where the table starts at a multiple of
+  // its own size in the shared window; otherwise the table's address is added (one more IMAD per weight, 13 % of
+  // the loop). The window's base is known only to be 16-byte aligned, so the aligned start is found at run time
+  // in TABLE_SLACK spare bytes: worth it up to AP_ROWS_TABLE_OR_MAX_K (8 KB of slack at k = 6), not at 7-8 whose
+  // 16-32 KB would cost ring depth.
+  static constexpr int TABLE_BYTES = TABLE_WORDS * 4;
+  static constexpr bool TABLE_OR = K <= AP_ROWS_TABLE_OR_MAX_K;
+  static constexpr int TABLE_SLACK = TABLE_OR ? TABLE_BYTES - 16 : 0;
+  // shared memory per block, all dynamic: the ring (the 8 warps' partial sums reuse it at the end), then the
+  // table (the block's sums, read by the cluster's first block, reuse it)
+  static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - 16 - TABLE_BYTES - TABLE_SLACK;
   static constexpr int STAGES_FIT = RING_ROOM / (WARPS * STEP_BYTES);
   static constexpr int STAGES = STAGES_FIT >= AP_ROWS_STAGES ? AP_ROWS_STAGES : STAGES_FIT;
   static_assert(STAGES >= 2, "the ring needs two steps");
   static constexpr int WARP_RING_BYTES = STAGES * STEP_BYTES;
   static constexpr int RING_BYTES = WARPS * WARP_RING_BYTES;
   static constexpr int RED_BYTES = WARPS * 2 * NBG * 32 * 16;
-  static constexpr int DYN_BYTES = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
+  static constexpr int RING_AREA = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
+  static constexpr int DYN_BYTES = RING_AREA + (TABLE_OR ? TABLE_SLACK + TABLE_BYTES : 0);  // else a static table
+  static_assert(DYN_BYTES + TABLE_BYTES <= 227 * 1024, "a block's shared memory");
   static_assert(TABLE_WORDS >= ROWS * 8, "the partial sums of a cluster reuse the table");
 };
+
+// Byte offset of the table in the dynamic shared memory whose window address is `base` (RowsConfig::TABLE_OR): past
+// the ring area, at the next multiple of the table's size.
+template <int K, int NB, int FLAGS>
+AP_HD uint32_t rows_table_offset(uint32_t base) {
+  using C = RowsConfig<K, NB, FLAGS>;
+  const uint32_t end = base + uint32_t(C::RING_AREA);
+  return ((end + uint32_t(C::TABLE_BYTES) - 1) & ~uint32_t(C::TABLE_BYTES - 1)) - base;
+}
 
 // Item i of the table fill of the block starting at row0: lane l = i % 32 and entries 8c..8c+7 (c = i / 32)
 // of rows row0 + l and row0 + 32 + l, read as 16 bytes each (zeros past M), stored as 8 words at
@@ -104,19 +130,58 @@ AP_HD void rows_xword(const T* xw, bool on, uint32_t (&v)[16]) {
   }
 }
 
-// The A fragment pair of merged word j from rows_xword's words: columns pi(j), pi(j) + 1 and pi(j) + 16, + 17
-AP_HD void rows_afrag_of(const uint32_t (&v)[16], int j, uint32_t& a_lo, uint32_t& a_hi) {
-  a_lo = v[pi(j) >> 1];
-  a_hi = v[8 + (pi(j) >> 1)];
+// First column (within the word) of merged word j: its codes stand for columns c, c + 1, c + 4, c + 5
+AP_HD constexpr int rows_col0(int j) { return 8 * (j >> 1) + 2 * (j & 1); }
+
+// The rows layout's column permutation: slot position q = 8i + j (before the per-plane rotation) holds column
+// rows_col0(j) + (i & 1) + 4 (i >> 1), i.e. q = (q4 .. q0) -> q3 + 2 q0 + 4 q4 + 8 q1 + 16 q2
+// (anyprec_gemm.rows_layout applies the same formula).
+AP_HD constexpr int rows_sigma(int q) {
+  return ((q >> 3) & 1) + 2 * (q & 1) + 4 * ((q >> 4) & 1) + 8 * ((q >> 1) & 1) + 16 * ((q >> 2) & 1);
 }
 
-// The A fragment of merged word j of word xw (x of one batch row at the word's 32 columns): the x pairs at
-// columns pi(j), pi(j) + 1 (a_lo) and pi(j) + 16, pi(j) + 17 (a_hi), or zeros where the lane passes none.
+// A kernel-layout word of plane p (bit s = column pi((s - p) mod 32)) in the rows layout's order (bit s = column
+// rows_sigma((s - p) mod 32)), before the pre-merge of the top four planes
+AP_HD uint32_t rows_relayout(uint32_t kw, int p) {
+  int pos_of_column[32] = {};
+  for (int q = 0; q < 32; ++q) pos_of_column[pi(q)] = q;
+  uint32_t out = 0;
+  for (int s = 0; s < 32; ++s) {
+    const int src = (pos_of_column[rows_sigma((s - p) & 31)] + p) & 31;
+    out |= ((kw >> src) & 1u) << s;
+  }
+  return out;
+}
+
+// The A fragment pair of merged word j from rows_xword's words: columns c, c + 1 and c + 4, c + 5
+AP_HD void rows_afrag_of(const uint32_t (&v)[16], int j, uint32_t& a_lo, uint32_t& a_hi) {
+  a_lo = v[rows_col0(j) >> 1];
+  a_hi = v[(rows_col0(j) + 4) >> 1];
+}
+
+// Batch class 2: the A fragment of merged word j is the 16-byte x load of columns 8 (j / 2) .. + 7 as it stands
+AP_HD void rows_aquad_of(const uint32_t (&v)[16], int j, uint32_t (&a)[4]) {
+  const int q = j >> 1;
+  a[0] = v[4 * q]; a[1] = v[4 * q + 1]; a[2] = v[4 * q + 2]; a[3] = v[4 * q + 3];
+}
+
+// x of one batch row at columns 8q..8q + 7 of word xw (16-byte aligned) as 4 fp16x2 / bf16x2 words, or zeros where the
+// lane passes none: the A fragment pairs of merged words 2q (words 0, 2) and 2q + 1 (words 1, 3).
 template <typename T>
-AP_HD void rows_afrag(const T* xw, bool on, int j, uint32_t& a_lo, uint32_t& a_hi) {
-  const int c = pi(j);
-  a_lo = on ? ldx32(xw + c) : 0u;
-  a_hi = on ? ldx32(xw + c + 16) : 0u;
+AP_HD void rows_xquad(const T* xw, bool on, int q, uint32_t (&v)[4]) {
+  uint4 u = make_uint4(0, 0, 0, 0);
+#ifdef __CUDA_ARCH__
+  if (on) u = __ldg(reinterpret_cast<const uint4*>(xw) + q);
+#else
+  if (on) std::memcpy(&u, xw + 8 * q, 16);
+#endif
+  v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+}
+
+// The A fragment pair of merged word j from rows_xquad's words of q = j / 2: columns c, c + 1 and c + 4, c + 5
+AP_HD void rows_afrag_quad(const uint32_t (&v)[4], int j, uint32_t& a_lo, uint32_t& a_hi) {
+  a_lo = v[j & 1];
+  a_hi = v[2 + (j & 1)];
 }
 
 // The rows layout's U_p (p < 4) from the kernel layout's top four plane words P[0..3]: the bits at 4m + p + q
@@ -151,9 +216,10 @@ AP_HD uint32_t rows_merge(const uint32_t (&R)[K], int j) {
 
 // Decode one word of this lane's two rows (R[h][p] = rows-layout word p of row 32h + lane) and hand the B fragments of
 // each merged word j (b[h][0] = columns c0, c1, b[h][1] = c2, c3 of row 32h + lane) to mma(j, b).
-// lookup(byte offset) reads the table word at that offset; lane4 = lane * 4.
-template <int K, typename Lookup, typename Mma>
-AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow2& p2, Lookup&& lookup, Mma&& mma) {
+// lookup(address) reads the table word at a shared-window address; lane_addr = the table's address | lane * 4 where
+// OR (the table aligned to its size), else + lane * 4.
+template <int K, bool OR, typename Lookup, typename Mma>
+AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane_addr, const Pow2& p2, Lookup&& lookup, Mma&& mma) {
   constexpr uint32_t MASK = (1u << K) - 1;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -164,7 +230,10 @@ AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow
       const uint32_t merged = rows_merge<K>(R[h], j);
       uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = lookup((code_at_bit7<K>(merged, 8 * i + j, p2) & (MASK << 7)) | lane4);
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t code128 = code_at_bit7<K>(merged, 8 * i + j, p2) & (MASK << 7);
+        w[i] = lookup(OR ? code128 | lane_addr : code128 + lane_addr);
+      }
       const uint32_t sel = h == 0 ? 0x5410u : 0x7632u;  // row l: low halves; row 32 + l: high halves
       b[h][0] = prmt(w[0], w[1], sel);
       b[h][1] = prmt(w[2], w[3], sel);
@@ -174,7 +243,8 @@ AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane4, const Pow
 }
 
 // Where the block's partial sum of (row 32h + l, batch b) sits: C-fragment element e of lane src_lane in the
-// accumulators of row half h and batch group b / 4.
+// accumulators of row half h and batch group b / 4 (batch class 2: after rows 8-15 of the odd merged words'
+// accumulator are added to rows 0-7 of the first).
 struct RowsSource { int src_lane, e; };
 AP_HD RowsSource rows_source(int l, int b) {
   const int n = l >> 2, m = 4 * (b & 3) + (l & 3);  // D[m][n], m = 4 (b mod 4) + t', lane l = 4n + t'

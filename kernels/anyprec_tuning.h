@@ -43,3 +43,9 @@
 #ifndef AP_ROWS_STAGES
 #define AP_ROWS_STAGES 4  // not yet measured against other depths
 #endif
+
+// Widths up to which the row-per-lane kernel aligns its table to the table's size so that a lookup's address is one
+// LOP3 (anyprec_rows.cuh RowsConfig::TABLE_OR); wider tables add their address instead.
+#ifndef AP_ROWS_TABLE_OR_MAX_K
+#define AP_ROWS_TABLE_OR_MAX_K 6  // the slack it costs: k = 6 8 KB, k = 7 16 KB (a ring stage at 2 blocks per SM)
+#endif

@@ -11,8 +11,9 @@
 
 namespace qk {
 
-// Kernel: the __global__ function; smem: its dynamic shared memory in bytes; carveout: percent of
-// the unified L1 / shared memory to make shared, or -1 to leave the driver's choice.
+// Kernel: the __global__ function; smem: its dynamic shared memory in bytes (its static shared memory counts
+// toward the same 48 KB default); carveout: percent of the unified L1 / shared memory to make shared, or -1 to
+// leave the driver's choice.
 template <auto Kernel>
 cudaError_t configure_once(int smem, int carveout) {
   static std::atomic<uint64_t> done{0};  // one bit per device below 64; devices beyond: every call
@@ -21,7 +22,12 @@ cudaError_t configure_once(int smem, int carveout) {
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
   if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  if (smem > 48 * 1024) err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // the 48 KB default bounds static plus dynamic shared memory: a kernel with static tables needs the raise
+  // before its dynamic part alone passes 48 KB
+  cudaFuncAttributes attrs{};
+  err = cudaFuncGetAttributes(&attrs, Kernel);
+  if (err == cudaSuccess && attrs.sharedSizeBytes + size_t(smem) > 48 * 1024)
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess && carveout >= 0)
     err = cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
   if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_relaxed);

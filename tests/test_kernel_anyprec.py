@@ -320,6 +320,7 @@ static double run_rows(const Problem& Pb, int split) {
     for (int w = 0; w < Wp; ++w) {
       uint32_t P[8];
       for (int p = 0; p < 8; ++p) P[p] = Pb.ker[(size_t(p) * M + r) * Wp + w];
+      for (int p = 0; p < 8; ++p) P[p] = rows_relayout(P[p], p);
       const uint32_t top[4] = {P[0], P[1], P[2], P[3]};
       for (int p = 0; p < 8; ++p)
         rl[((size_t(p) * G + r / 32) * Wp + w) * 32 + r % 32] = p < 4 ? rows_premerged(top, p) : P[p];
@@ -327,9 +328,17 @@ static double run_rows(const Problem& Pb, int split) {
   const uint16_t* lut = Pb.lut[K].data();
   const T* x = reinterpret_cast<const T*>(Pb.x.data());
   std::vector<uint32_t> table(C::TABLE_WORDS);
-  auto lookup = [&](uint32_t off) {
+  // the kernel's placement of the table in a shared window whose dynamic part starts at an awkward 16-byte
+  // multiple: inside the block's shared memory and, where lookups or its address in, aligned to its size
+  // (a static table otherwise: lookups take byte offsets)
+  const uint32_t window = 0x400 + 0x30 * K;
+  const uint32_t table_addr = C::TABLE_OR ? window + rows_table_offset<K, NB, FLAGS>(window) : 0u;
+  if (C::TABLE_OR && (table_addr - window + C::TABLE_BYTES > uint32_t(C::DYN_BYTES) ||
+                      table_addr - window < uint32_t(C::RING_AREA) || table_addr % C::TABLE_BYTES != 0))
+    return 2e30;
+  auto lookup = [&](uint32_t addr) {
     uint32_t v;
-    std::memcpy(&v, reinterpret_cast<const char*>(table.data()) + off, 4);
+    std::memcpy(&v, reinterpret_cast<const char*>(table.data()) + (addr - table_addr), 4);
     return v;
   };
   Pow2 p2;
@@ -346,13 +355,15 @@ static double run_rows(const Problem& Pb, int split) {
       for (int warp = 0; warp < C::WARPS; ++warp) {
         double D[2][2][16][8] = {};
         for (int w = warp + C::WARPS * rank; w < W; w += C::WARPS * split) {
-          struct Rec { uint32_t b[2][2], a[2][4]; };
+          struct Rec { uint32_t b[2][2], a[2][4]; int set[2]; };
           std::vector<Rec> recs[32];
           for (int lane = 0; lane < 32; ++lane) {
             uint32_t R[2][K];
             for (int h = 0; h < 2; ++h)
               for (int p = 0; p < K; ++p) R[h][p] = rl[((size_t(p) * G + 2 * blk + h) * Wp + w) * 32 + lane];
-            rows_decode_word<K>(R, uint32_t(lane) * 4u, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
+            const uint32_t lane4 = uint32_t(lane) * 4u;
+            const uint32_t lane_addr = C::TABLE_OR ? table_addr | lane4 : table_addr + lane4;
+            rows_decode_word<K, C::TABLE_OR>(R, lane_addr, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
               Rec rec{};
               for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
               for (int bg = 0; bg < C::NBG; ++bg) {
@@ -360,15 +371,24 @@ static double run_rows(const Problem& Pb, int split) {
                 rows_xrows(lane, bg, Pb.B, NB, ra, rb);
                 const T* xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
                 const T* xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
-                if (NB <= 4) {  // the kernel's per-word x loads
+                rec.set[bg] = bg;
+                if (NB == 2) {  // the 16-byte x load as it stands; odd merged words in the second accumulator
+                  uint32_t va[16];
+                  rows_xword(xa, ra >= 0, va);
+                  rows_aquad_of(va, j, rec.a[bg]);
+                  rec.set[bg] = j & 1;
+                } else if (NB == 4) {  // the kernel's per-word x loads
                   uint32_t va[16], vb[16];
                   rows_xword(xa, ra >= 0, va);
                   rows_xword(xb, rb >= 0, vb);
                   rows_afrag_of(va, j, rec.a[bg][0], rec.a[bg][2]);
                   rows_afrag_of(vb, j, rec.a[bg][1], rec.a[bg][3]);
-                } else {
-                  rows_afrag(xa, ra >= 0, j, rec.a[bg][0], rec.a[bg][2]);
-                  rows_afrag(xb, rb >= 0, j, rec.a[bg][1], rec.a[bg][3]);
+                } else {  // per pair of merged words
+                  uint32_t qa[4], qb[4];
+                  rows_xquad(xa, ra >= 0, j >> 1, qa);
+                  rows_xquad(xb, rb >= 0, j >> 1, qb);
+                  rows_afrag_quad(qa, j, rec.a[bg][0], rec.a[bg][2]);
+                  rows_afrag_quad(qb, j, rec.a[bg][1], rec.a[bg][3]);
                 }
               }
               recs[lane].push_back(rec);
@@ -392,9 +412,13 @@ static double run_rows(const Problem& Pb, int split) {
                 }
                 for (int m = 0; m < 16; ++m)
                   for (int n = 0; n < 8; ++n)
-                    for (int kk = 0; kk < 16; ++kk) D[h][bg][m][n] += A[m][kk] * Bm[kk][n];
+                    for (int kk = 0; kk < 16; ++kk) D[h][recs[0][j].set[bg]][m][n] += A[m][kk] * Bm[kk][n];
               }
         }
+        if (NB == 2)  // the kernel's fold: rows 8-15 of the odd merged words' accumulator onto rows 0-7
+          for (int h = 0; h < 2; ++h)
+            for (int m = 0; m < 8; ++m)
+              for (int n = 0; n < 8; ++n) D[h][0][m][n] += D[h][1][m + 8][n];
         for (int h = 0; h < 2; ++h)
           for (int bg = 0; bg < C::NBG; ++bg)
             for (int lane = 0; lane < 32; ++lane) {
@@ -477,24 +501,32 @@ def test_rows_kernel_decode_on_cpu_matches_reference(tmp_path, requires):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def _rows_sigma(q):
+    """The rows layout's column of slot q, written out: merged word j = q % 8 holds columns c, c + 1, c + 4, c + 5
+    (i = q // 8 = 0..3) with c = 8 (j // 2) + 2 (j % 2)."""
+    j, i = q % 8, q // 8
+    return 8 * (j // 2) + 2 * (j % 2) + [0, 1, 4, 5][i]
+
+
 def test_rows_layout_is_the_documented_arrangement():
-    """rows_layout: [n, G, W, 32] with rows past M zero, planes 4.. moved unchanged, and slot p < 4 the
-    pre-merged U_p, checked bit by bit against its definition on kernel_layout's words."""
+    """rows_layout: [n, G, W, 32] with rows past M zero, bit s of plane p = natural column sigma((s - p) mod 32)
+    for planes 4.., and slot p < 4 the pre-merged U_p, checked bit by bit against the natural planes."""
     g = torch.Generator().manual_seed(5)
-    kplanes = torch.randint(-2**31, 2**31, (6, 70, 8), generator=g, dtype=torch.int64).to(torch.int32)
-    out = ag.rows_layout(kplanes)
+    planes = torch.randint(-2**31, 2**31, (6, 70, 8), generator=g, dtype=torch.int64).to(torch.int32)
+    out = ag.rows_layout(ag.kernel_layout(planes))
     assert out.shape == (6, 4, 8, 32) and out.dtype == torch.int32
     flat = out.transpose(2, 3).reshape(6, 128, 8)
     assert (flat[:, 70:] == 0).all()
-    assert torch.equal(flat[4:, :70], kplanes[4:])
-    src = kplanes.to(torch.int64) & 0xFFFFFFFF
-    got = flat[:4, :70].to(torch.int64) & 0xFFFFFFFF
-    for p in range(4):
+    nat = planes.to(torch.int64) & 0xFFFFFFFF
+    got = flat[:, :70].to(torch.int64) & 0xFFFFFFFF
+    assert sorted(_rows_sigma(q) for q in range(32)) == list(range(32))
+    for p in range(6):
         for s in range(32):
-            q = (s - p) % 4  # bit s of U_p comes from plane q where s = 4m + p + q
-            assert torch.equal((got[p] >> s) & 1, (src[q] >> s) & 1), (p, s)
+            q = (s - p) % 4 if p < 4 else p  # bit s of U_p (p < 4) comes from plane q where s = 4m + p + q
+            want = (nat[q] >> _rows_sigma((s - q) % 32)) & 1
+            assert torch.equal((got[p] >> s) & 1, want), (p, s)
     with pytest.raises(ValueError, match="at least 4 planes"):
-        ag.rows_layout(kplanes[:3])
+        ag.rows_layout(planes[:3])
 
 
 # flags None: the dispatch table's choice; the FLAG_PAIR and FLAG_ROWS variants exist for k >= 4 only

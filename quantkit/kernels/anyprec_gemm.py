@@ -99,11 +99,36 @@ _PREMERGE_MASKS = [[((0x11111111 << ((p + q) % 32)) | (0x11111111 >> (32 - (p + 
                     for q in range(4)] for p in range(4)]
 
 
+def _rows_sigma(q):
+    """Natural column (within a 32-column word) of slot position q in the rows layout (kernels/anyprec_rows.cuh
+    rows_sigma): merged word j = q % 8 takes columns c, c + 1, c + 4, c + 5 with c = 8 (j // 2) + 2 (j % 2)."""
+    return ((q >> 3) & 1) + 2 * (q & 1) + 4 * ((q >> 4) & 1) + 8 * ((q >> 1) & 1) + 16 * ((q >> 2) & 1)
+
+
+_PI_POSITION = {_pi(q): q for q in range(32)}
+
+
+def _rows_relayout(words: torch.Tensor, p: int) -> torch.Tensor:
+    """Kernel-layout words of plane p (bit s = column pi((s - p) mod 32)), int64 in [0, 2^32), with bit s holding
+    column rows_sigma((s - p) mod 32) instead: one masked shift per shift distance."""
+    moves = {}
+    for s in range(32):
+        t = (_PI_POSITION[_rows_sigma((s - p) % 32)] + p) % 32
+        moves[s - t] = moves.get(s - t, 0) | (1 << t)
+    out = torch.zeros_like(words)
+    for shift, mask in moves.items():
+        part = words & mask
+        out |= (part << shift) if shift >= 0 else (part >> -shift)
+    return out & 0xFFFFFFFF
+
+
 def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
     """The planes as the row-per-lane kernel (FLAG_ROWS) reads them, from kernel_layout's:
     int32 [n, G, W', 32], G = 2 * ceil(M / 64), word w of row 32 * grp + l at [p, grp, w, l] (rows past M zero).
 
-    Planes 4.. are kernel_layout's words; the top four (n >= 4 needed) are stored merged, slot p < 4 holding
+    Each word is kernel_layout's with its columns in the rows kernel's order: bit s of plane p holds column
+    _rows_sigma((s - p) mod 32) (so the kernel's 16-byte x loads are its A fragments at batch 1-2). Planes 4..
+    are stored as such; the top four (n >= 4 needed) are stored merged, slot p < 4 holding
     U_p = OR_q (plane q & rotl(0x11111111, p + q)), the bits of planes 0..3 that the kernel's merged words p and
     p + 4 take (kernels/anyprec_rows.cuh rows_premerged): every width 4..8 reads all four, so the kernel skips
     three selects per merged word. The same copy serves widths 4..n.
@@ -112,7 +137,7 @@ def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
     if n < 4:
         raise ValueError(f"rows_layout needs at least 4 planes, got {n}")
     groups = 2 * -(-rows // 64)
-    src = kplanes.to(torch.int64) & 0xFFFFFFFF
+    src = torch.stack([_rows_relayout(kplanes[p].to(torch.int64) & 0xFFFFFFFF, p) for p in range(n)])
     merged = []
     for p in range(4):
         u = torch.zeros_like(src[0])

@@ -20,7 +20,7 @@ wait
 cat "$out"/build_*.log
 timeout "${TEST_LIMIT:-180}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider --junitxml="$out/gpu_tests.xml" \
   tests/test_fast_model.py tests/test_decode_attention.py tests/test_add_norm.py tests/test_silu_mul.py \
-  tests/test_runtime_cuda.py > "$out/gpu_tests.log" 2>&1
+  tests/test_runtime_cuda.py tests/test_transformers_loading.py > "$out/gpu_tests.log" 2>&1
 echo "tests rc=$?" >> "$out/gpu_tests.log"
 python3 - "$out/gpu_tests.xml" "$out/gpu_tests.json" <<'EOF'
 import json, sys

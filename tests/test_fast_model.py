@@ -674,7 +674,9 @@ def test_cuda_batched_prompts_decode_as_each_alone(fmt, gpu_checkpoint):
 
 @pytest.mark.requires("cuda")
 def test_cuda_sampling_is_seeded(gpu_checkpoint):
-    fast = load_pair(gpu_checkpoint, "llama", "bcq", device="cuda")[1]
+    """The float model: the LUT kernels add their fp32 partial sums in no fixed order, so on BCQ weights two
+    seeded runs agree only until a draw lands near a boundary of the sampled distribution."""
+    fast = load_pair(gpu_checkpoint, "llama", "float", device="cuda")[1]
     generator = FastGenerator(fast)
     sampling = Sampling(greedy=False, temperature=1.0, top_k=50, top_p=0.95, seed=7)
     runs = [generator.run(_gpu_prompts(), GPU_STEPS, sampling)["token_ids"] for _ in range(2)]

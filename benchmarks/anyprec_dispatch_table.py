@@ -1,22 +1,29 @@
-"""Turn bench_anyprec_variants.py JSON files (one per GPU) into the dispatch table
-quantkit/kernels/anyprec_variants.py.
+"""Turn bench_anyprec_variants.py JSON files into the dispatch table quantkit/kernels/anyprec_variants.py.
 
-  python benchmarks/anyprec_dispatch_table.py H100.json H200.json [--write] [--tolerance 0.01]
+  python benchmarks/anyprec_dispatch_table.py RUN.json [RUN.json ...] [--write] [--min-gain 0.02]
+      [--summary OUT.json]
 
-For every (width, batch) measured on a GPU, a candidate other than today's kernel is chosen only where it is
-slower than today's kernel on no measured shape (by more than --tolerance, the timing noise allowed) and
-faster by at least --min-gain in the geometric mean over the shapes; among those the fastest in that mean.
-Batches 2..7, not measured, take a candidate only where batch 1 and batch 8 chose the same one. Without
---write the table is printed; with it the module is rewritten (entries of GPUs not given are kept).
+Runs are grouped by GPU (the model its device name names); several runs of one GPU are combined per case
+(shape, width, batch) by taking each candidate's slowest time over the runs (a candidate missing or failed in
+any run is never chosen), so one lucky run cannot pick a loser. Then, per measured shape, width and batch, a
+candidate other than today's kernel is chosen where it is at least --min-gain faster than today's kernel
+(both slowest times); among those the fastest, ties going to the earlier name of anyprec_gemm.CANDIDATES.
+Batches 2..7, not measured, take a candidate only where batch 1 and batch 8 of that shape chose the same one.
+Every measured shape is a shape class of the table, kept even where nothing beats today's kernel (see
+anyprec_variants.shape_class for how a module's shape finds its class).
+
+Without --write the table is printed; with it the module is rewritten (entries of GPUs not given are kept).
+--summary writes, per GPU, shape, width and batch, the chosen instance against today's kernel and cuBLAS fp16
+(kernels at their slowest time over the runs, cuBLAS at its fastest).
 """
 
 import argparse
 import json
-import math
 import pprint
 from pathlib import Path
 
 import quantkit.kernels.anyprec_variants as variants
+from quantkit.kernels.anyprec_gemm import CANDIDATES
 
 MODULE = Path(variants.__file__)
 GPUS = ("H100", "H200", "B200", "A100", "L40S")
@@ -27,69 +34,110 @@ def gpu_key(device_name):
     return next((g for g in GPUS if g in device_name), device_name)
 
 
-def choose(rows, tolerance, min_gain):
-    """{bits: {batch: name}} from one run's rows, and per choice the evidence (geomean, worst ratio)."""
-    by_case = {}
-    for r in rows:
-        by_case.setdefault((r["bits"], r["batch"]), []).append(r)
+def combine(runs):
+    """{(rows, cols, bits, batch): {"cublas_us": fastest, "us": {name: slowest}, "runs": n}} over runs (lists
+    of rows); a case keeps only candidates timed in every run that measured it. cuBLAS keeps its fastest time
+    so that speedups over it are not flattered by a slow run."""
+    cases = {}
+    for rows in runs:
+        for r in rows:
+            key = (r["shape"][0], r["shape"][1], r["bits"], r["batch"])
+            timed = {n: v["us"] for n, v in r["candidates"].items() if "us" in v}
+            case = cases.setdefault(key, {"cublas_us": r.get("cublas_us"), "us": timed, "runs": 0})
+            if case["runs"]:
+                case["us"] = {n: max(us, timed[n]) for n, us in case["us"].items() if n in timed}
+                if r.get("cublas_us") is not None and case["cublas_us"] is not None:
+                    case["cublas_us"] = min(case["cublas_us"], r["cublas_us"])
+            case["runs"] += 1
+    return cases
+
+
+def choose(runs, min_gain):
+    """{(rows, cols): {bits: {batch: name}}} from one GPU's runs, and per case the evidence."""
+    cases = combine(runs)
+    order = {name: i for i, name in enumerate(CANDIDATES)}
     chosen, evidence = {}, {}
-    for (bits, batch), cases in sorted(by_case.items()):
-        # a candidate that failed to launch on any case is never chosen
-        names = set.intersection(*({n for n, v in r["candidates"].items() if "us" in v} for r in cases)) - {"today"}
-        best, best_mean = None, 1.0 - min_gain
-        for name in sorted(names):
-            ratios = [r["candidates"][name]["us"] / r["candidates"]["today"]["us"] for r in cases]
-            mean = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
-            if max(ratios) <= 1.0 + tolerance and mean <= best_mean:
-                best, best_mean = name, mean
-                evidence[(bits, batch)] = {"name": name, "geomean": round(mean, 4), "worst": round(max(ratios), 4),
-                                           "shapes": len(cases)}
-        if best is not None:
-            chosen.setdefault(bits, {})[batch] = best
-    for per_batch in chosen.values():
-        first, last = per_batch.get(1), per_batch.get(8)
-        if first is not None and first == last:
-            for batch in range(2, 8):
-                per_batch.setdefault(batch, first)
+    for (rows, cols, bits, batch), case in sorted(cases.items()):
+        per_shape = chosen.setdefault((rows, cols), {})
+        us = case["us"]
+        if "today" not in us:
+            continue
+        today = us["today"]
+        fine = [n for n in us if n != "today" and n in order and us[n] <= (1.0 - min_gain) * today]
+        best = min(fine, key=lambda n: (us[n], order[n]), default="today")
+        evidence[(rows, cols, bits, batch)] = {"name": best, "today_us": today, "us": us[best],
+                                               "cublas_us": case["cublas_us"], "runs": case["runs"]}
+        if best != "today":
+            per_shape.setdefault(bits, {})[batch] = best
+    for per_shape in chosen.values():
+        for per_batch in per_shape.values():
+            first, last = per_batch.get(1), per_batch.get(8)
+            if first is not None and first == last:
+                for batch in range(2, 8):
+                    per_batch.setdefault(batch, first)
     return chosen, evidence
+
+
+def summary(evidence):
+    """Rows of the chosen instance against today's kernel and cuBLAS fp16, per measured case."""
+    out = []
+    for (rows, cols, bits, batch), e in sorted(evidence.items()):
+        row = {"shape": [rows, cols], "bits": bits, "batch": batch, "chosen": e["name"],
+               "today_us": round(e["today_us"], 2), "chosen_us": round(e["us"], 2),
+               "gain_over_today": round(e["today_us"] / e["us"], 3)}
+        if e["cublas_us"]:
+            row.update(cublas_us=round(e["cublas_us"], 2), today_x_cublas=round(e["cublas_us"] / e["today_us"], 3),
+                       chosen_x_cublas=round(e["cublas_us"] / e["us"], 3))
+        out.append(row)
+    return out
 
 
 def render(choices, sources):
     """The module's text with the given tables."""
     text = MODULE.read_text()
     head, rest = text.split("# SOURCES:", 1)
-    tail = rest.split("\n\ndef choice", 1)[1]
-    return (head + "# SOURCES: the benchmark runs each GPU's entry came from (device, date, commit of the run)\n"
+    tail = rest.split("\n\ndef shape_class", 1)[1]
+    return (head + "# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs)\n"
             + "SOURCES = " + pprint.pformat(sources, width=110, sort_dicts=True) + "\n\n"
-            + "CHOICES = " + pprint.pformat(choices, width=110, sort_dicts=True) + "\n\n\ndef choice" + tail)
+            + "CHOICES = " + pprint.pformat(choices, width=110, sort_dicts=True) + "\n\n\ndef shape_class" + tail)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="JSON files written by bench_anyprec_variants.py")
-    ap.add_argument("--tolerance", type=float, default=0.01, help="allowed slowdown on any shape (default 0.01)")
-    ap.add_argument("--min-gain", type=float, default=0.02, help="required geomean gain (default 0.02)")
+    ap.add_argument("--min-gain", type=float, default=0.02,
+                    help="how much faster than today's kernel a candidate must be on a shape (default 0.02)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {MODULE.name}")
+    ap.add_argument("--summary", help="write the chosen-against-today speedups per case to this JSON file")
     args = ap.parse_args()
 
-    choices, sources = dict(variants.CHOICES), dict(variants.SOURCES)
+    by_gpu = {}
     for path in args.runs:
         run = json.loads(Path(path).read_text())
-        key = gpu_key(run["info"]["device"])
-        chosen, evidence = choose(run["rows"], args.tolerance, args.min_gain)
+        by_gpu.setdefault(gpu_key(run["info"]["device"]), []).append((path, run))
+    choices, sources, report = dict(variants.CHOICES), dict(variants.SOURCES), {}
+    for key, runs in sorted(by_gpu.items()):
+        chosen, evidence = choose([run["rows"] for _, run in runs], args.min_gain)
         choices[key] = chosen
-        sources[key] = {k: run["info"].get(k) for k in ("device", "date", "commit")}
-        print(f"{key} ({run['info']['device']}):")
-        for (bits, batch), e in sorted(evidence.items()):
-            print(f"  bits {bits} batch {batch}: {e['name']} (geomean {e['geomean']}, worst {e['worst']}, "
-                  f"{e['shapes']} shapes)")
-        if not evidence:
-            print("  today's kernel everywhere")
+        infos = [run["info"] for _, run in runs]
+        sources[key] = {"device": infos[0]["device"], "date": max(i.get("date") or "" for i in infos),
+                        "commits": sorted({i.get("commit") or "?" for i in infos}), "runs": len(runs)}
+        report[key] = {"runs": [Path(p).name for p, _ in runs],
+                       "combined": "kernels: slowest time over the runs; cuBLAS: fastest",
+                       "min_gain": args.min_gain, "cases": summary(evidence)}
+        print(f"{key} ({infos[0]['device']}, {len(runs)} run(s)):")
+        for (rows, cols, bits, batch), e in sorted(evidence.items()):
+            if e["name"] != "today":
+                print(f"  {rows}x{cols} bits {bits} batch {batch}: {e['name']} {e['us']:.1f} us against "
+                      f"today's {e['today_us']:.1f} ({e['today_us'] / e['us']:.3f}x)")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.summary}")
     if args.write:
         MODULE.write_text(render(choices, sources))
         print(f"wrote {MODULE}")
     else:
-        pprint.pprint(choices)
+        pprint.pprint(choices, width=110)
 
 
 if __name__ == "__main__":

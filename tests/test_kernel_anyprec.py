@@ -557,12 +557,14 @@ def test_matvec_matches_reference_for_every_width(ext, dtype, rows, cols, flags)
 
 
 def test_dispatch_table_serves_its_candidates(ext, monkeypatch):
-    """A table naming each candidate for some (width, batch) of this GPU: matvec launches exactly that
-    instance, with its tile rule, and matches the reference; widths the table leaves out keep today's."""
+    """A table naming each candidate for some (width, batch) of this GPU and the module's shape class: matvec
+    launches exactly that instance, with its tile rule, and matches the reference; widths the table leaves out
+    keep today's."""
     name = torch.cuda.get_device_name()
     names = [n for n in ag.CANDIDATES if n != "today"]
     table = {bits: {batch: names[(bits + batch) % len(names)] for batch in (1, 4, 8)} for bits in range(4, 9)}
-    monkeypatch.setattr(anyprec_variants, "CHOICES", {name: table})
+    # the module (8480 x 256) is nearest the first class; the second is another shape's
+    monkeypatch.setattr(anyprec_variants, "CHOICES", {name: {(6000, 300): table, (8480, 1024): {}}})
     monkeypatch.setattr(ag, "_variant_cache", {})
     launched = []
 
@@ -804,38 +806,153 @@ def _dispatch_tool():
     return module
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 def test_checked_in_dispatch_table_names_built_candidates():
     for gpu, table in anyprec_variants.CHOICES.items():
         assert gpu in anyprec_variants.SOURCES, gpu  # every entry says which run it came from
-        for bits, per_batch in table.items():
-            for batch, name in per_batch.items():
-                assert name in ag.CANDIDATES and 1 <= batch <= ag.MAX_BATCH, (gpu, bits, batch, name)
-                assert 4 <= bits <= 8 or name == "today", (gpu, bits, name)  # FLAG_PAIR: k >= 4 only
-    assert anyprec_variants.choice("a GPU the table does not name", 5, 1) == "today"
+        for (rows, cols), per_width in table.items():
+            assert rows > 0 and cols > 0, (gpu, rows, cols)
+            for bits, per_batch in per_width.items():
+                for batch, name in per_batch.items():
+                    assert name in ag.CANDIDATES and 1 <= batch <= ag.MAX_BATCH, (gpu, bits, batch, name)
+                    assert 4 <= bits <= 8 or name == "today", (gpu, bits, name)  # variants: k >= 4 only
+    assert anyprec_variants.choice("a GPU the table does not name", 5, 1, 4096, 4096) == "today"
 
 
-def test_dispatch_tool_picks_only_candidates_slower_nowhere():
+def test_shape_class_is_the_nearest_measured_shape_within_a_factor_of_two():
+    shapes = [(4096, 4096), (11008, 4096), (4096, 11008), (28672, 8192)]
+    cls = anyprec_variants.shape_class
+    for s in shapes:
+        assert cls(shapes, *s) == s
+    assert cls(shapes, 6144, 4096) == (4096, 4096)  # log distance 0.41 against 0.58
+    assert cls(shapes, 7000, 4096) == (11008, 4096)
+    assert cls(shapes, 4096, 14336) == (4096, 11008)
+    assert cls(shapes, 28672, 4096) == (28672, 8192)  # half the cols; 11008x4096 is 2.6x away in rows
+    assert cls(shapes, 65536, 4096) is None
+    assert cls([(4096, 4096)], 8192, 2048) == (4096, 4096)  # exactly 2x either way: still within
+    assert cls([(4096, 4096)], 8193, 4096) is None
+    assert cls(shapes, 576, 576) is None
+    assert cls([], 4096, 4096) is None
+
+
+def test_choose_variant_launches_what_the_table_names_for_the_shape(monkeypatch):
+    """CPU part of the dispatch: for every measured shape of the checked-in H100 table, and one shape near
+    each, choose_variant returns the named candidate's flags with its tile rule; far shapes keep today's."""
+    class Built:
+        def has_matvec(self, dtype, bits, tiles, flags):
+            return True
+
+    monkeypatch.setattr(ag, "_gpu_names", {0: H100})
+    monkeypatch.setattr(ag, "_sm_counts", {0: 132})
+    monkeypatch.setattr(ag, "_variant_cache", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    device = torch.device("cuda", 0)
+    table = anyprec_variants.CHOICES["H100"]
+    named = set()
+    for rows, cols in table:
+        for near in ((rows, cols), (rows * 5 // 4, cols * 7 // 8)):
+            for bits in range(3, 9):
+                for batch in range(1, 9):
+                    name = table[(rows, cols)].get(bits, {}).get(batch, "today")
+                    if near != (rows, cols) and anyprec_variants.shape_class(table, *near) != (rows, cols):
+                        continue  # the nudged shape fell into a neighbour's class
+                    named.add(name)
+                    flags, tiles = ag.choose_variant(bits, near[0], batch, device, torch.float16, Built(),
+                                                     near[1] // 32)
+                    want_flags, want_tiles = ag.CANDIDATES[name]
+                    if want_tiles is None:
+                        want_tiles = ag.default_tiles(want_flags, bits, near[0], near[1] // 32, batch, device, Built())
+                    assert (flags, tiles) == (want_flags, want_tiles), (near, bits, batch, name)
+    assert {"today", "rows"} <= named  # the table does shape-dependent work
+    for rows, cols in ((576, 576), (128256, 4096)):  # near no measured shape
+        for bits in range(4, 9):
+            assert ag.choose_variant(bits, rows, 1, device, torch.float16, Built(), cols // 32)[0] == ag.ALL_FLAGS
+
+
+def _fake_run(times, device=H100):
+    """A bench_anyprec_variants.py JSON from {(shape, bits, batch): {name: us}}."""
+    return {"info": {"device": device, "date": "d", "commit": "c"},
+            "rows": [{"shape": list(shape), "bits": bits, "batch": batch, "cublas_us": cands.get("cublas", 200.0),
+                      "candidates": {name: {"us": us} for name, us in cands.items() if name != "cublas"}}
+                     for (shape, bits, batch), cands in times.items()]}
+
+
+def test_dispatch_tool_picks_per_shape_only_candidates_faster_in_every_run():
     tool = _dispatch_tool()
+    big, small = (28672, 8192), (4096, 4096)
+    a = _fake_run({
+        (big, 6, 1): {"today": 100, "rows": 70, "rows_occ": 65, "pair": 97},
+        (small, 6, 1): {"today": 10, "rows": 12, "pair": 9.5},  # rows loses here: the small class keeps pair
+        (big, 6, 8): {"today": 100, "rows": 70},
+        (small, 6, 8): {"today": 10, "rows": 9.9},  # 1 % is noise, not a gain
+        (big, 7, 1): {"today": 100, "rows": 80, "rows_s1": 80},  # one instance under two names: the first
+        (big, 7, 8): {"today": 100, "rows": 75, "rows_s1": 70},
+        (small, 7, 1): {"today": 10, "rows": 8, "pair": 9},  # rows faster in run a only
+    })
+    b = _fake_run({
+        (big, 6, 1): {"today": 101, "rows": 71, "rows_occ": 75, "pair": 97, "cublas": 190},  # rows_occ loses
+        (small, 6, 1): {"today": 10, "rows": 12, "pair": 9.5},
+        (big, 6, 8): {"today": 100, "rows": 71},
+        (small, 6, 8): {"today": 10, "rows": 9.9},
+        (big, 7, 1): {"today": 100, "rows": 80, "rows_s1": 80},
+        (big, 7, 8): {"today": 100, "rows": 75, "rows_s1": 70},
+        (small, 7, 1): {"today": 10, "rows": 11, "pair": 9},
+    })
+    chosen, evidence = tool.choose([a["rows"], b["rows"]], min_gain=0.02)
+    assert chosen[big][6] == {b: "rows" for b in range(1, 9)}  # batch 1 and 8 agree: 2..7 follow
+    assert chosen[small][6] == {1: "pair"}
+    assert chosen[big][7] == {1: "rows", 8: "rows_s1"}  # they differ: batches 2..7 keep today's kernel
+    assert chosen[small][7] == {1: "pair"}
+    # the rule's promise: on every measured case the choice is no slower than today's kernel in any run
+    for run in (a, b):
+        for r in run["rows"]:
+            name = chosen[tuple(r["shape"])].get(r["bits"], {}).get(r["batch"], "today")
+            assert r["candidates"][name]["us"] <= r["candidates"]["today"]["us"], r
+    rows = tool.summary(evidence)
+    first = next(r for r in rows if r["shape"] == list(big) and r["bits"] == 6 and r["batch"] == 1)
+    assert first["chosen"] == "rows" and first["today_us"] == 101 and first["chosen_us"] == 71
+    # kernels at their slowest time, cuBLAS at its fastest
+    assert first["chosen_x_cublas"] == round(190 / 71, 3) and first["today_x_cublas"] == round(190 / 101, 3)
 
-    def run(times):  # times: {(bits, batch): {name: [us per shape]}}
-        return [{"shape": [s, s], "bits": bits, "batch": batch,
-                 "candidates": {name: {"us": us[s]} for name, us in cands.items()}}
-                for (bits, batch), cands in times.items() for s in range(2)]
-
-    chosen, _ = tool.choose(run({
-        (5, 1): {"today": [100, 100], "pair": [80, 99], "pair_occ": [70, 103]},  # occ slower on one shape
-        (5, 8): {"today": [100, 100], "pair": [90, 90], "pair_occ": [95, 95]},
-        (6, 1): {"today": [100, 100], "pair": [99, 99.5]},  # too small a gain
-        (6, 8): {"today": [100, 100], "pair": [70, 70]},
-        (7, 1): {"today": [100, 100], "pair": [80, 80], "pair_t1": [75, 75]},
-        (7, 8): {"today": [100, 100], "pair": [80, 80], "pair_t1": [85, 85]},
-    }), tolerance=0.01, min_gain=0.02)
-    assert chosen[5] == {b: "pair" for b in range(1, 9)}  # batch 1 and 8 agree: 2..7 follow
-    assert chosen[6] == {8: "pair"}
-    assert chosen[7] == {1: "pair_t1", 8: "pair"}  # they differ: batches 2..7 keep today's kernel
-    text = tool.render({"H100": chosen}, {"H100": {"device": "NVIDIA H100", "date": "d", "commit": "c"}})
+    text = tool.render({"H100": chosen}, {"H100": {"device": H100, "date": "d", "commits": ["c"], "runs": 2}})
     namespace = {}
     exec(compile(text, "anyprec_variants", "exec"), namespace)
-    assert namespace["choice"]("NVIDIA H100 80GB HBM3", 5, 3) == "pair"
-    assert namespace["choice"]("NVIDIA H100 80GB HBM3", 7, 3) == "today"
-    assert namespace["choice"]("NVIDIA H200", 5, 3) == "today"
+    assert namespace["choice"](H100, 6, 3, 28672, 8192) == "rows"
+    assert namespace["choice"](H100, 6, 3, 22016, 8192) == "rows"  # nearest the big class
+    assert namespace["choice"](H100, 6, 1, 5120, 5120) == "pair"  # nearest the small class
+    assert namespace["choice"](H100, 7, 3, 28672, 8192) == "today"
+    assert namespace["choice"](H100, 6, 1, 512, 512) == "today"  # near no measured shape
+    assert namespace["choice"]("NVIDIA H200", 6, 1, 28672, 8192) == "today"
+
+
+def test_dispatch_tool_never_picks_a_candidate_slower_on_its_shape():
+    """Random timings of two runs: every choice is at least min_gain faster than today's kernel on the
+    shape it is named for, by the slowest time of each."""
+    tool = _dispatch_tool()
+    g = torch.Generator().manual_seed(3)
+    shapes = [(4096, 4096), (11008, 4096), (28672, 8192)]
+    runs = []
+    for _ in range(2):
+        times = {}
+        for shape in shapes:
+            for bits in (4, 8):
+                for batch in (1, 8):
+                    us = (50 + 100 * torch.rand(len(ag.CANDIDATES), generator=g)).tolist()
+                    times[(shape, bits, batch)] = dict(zip(ag.CANDIDATES, us))
+        runs.append(_fake_run(times)["rows"])
+    chosen, _ = tool.choose(runs, min_gain=0.02)
+    assert any(per_width for per_width in chosen.values())  # random timings do pick something
+    for shape in shapes:
+        for bits in (4, 8):
+            for batch in (1, 8):
+                name = chosen[shape].get(bits, {}).get(batch)
+                cases = [next(r for r in run if tuple(r["shape"]) == shape and (r["bits"], r["batch"]) == (bits, batch))
+                         for run in runs]
+                slowest = {n: max(c["candidates"][n]["us"] for c in cases) for n in ag.CANDIDATES}
+                faster = [n for n in ag.CANDIDATES if slowest[n] <= 0.98 * slowest["today"]]
+                if name is None:
+                    assert not faster, (shape, bits, batch)
+                else:
+                    assert name in faster and slowest[name] == min(slowest[n] for n in faster), (shape, bits, batch)

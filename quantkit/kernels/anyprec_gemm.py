@@ -13,8 +13,9 @@ Two paths, chosen by the number of rows of x (all leading dims flattened):
       (cuBLAS). With module.cache_weight the weight is kept under QuantLinear's cache key
       (device, dtype, bits), as the reference path does.
 The thresholds were measured with benchmarks/bench_anyprec_kernel.py on an H100 (see MATVEC_MAX_ROWS).
-Which compiled instance serves a (width, batch) on a GPU is `choose_variant`'s pick from the measured table
-in quantkit/kernels/anyprec_variants.py (today's kernel wherever the table says nothing).
+Which compiled instance serves a (shape, width, batch) on a GPU is `choose_variant`'s pick from the measured
+table in quantkit/kernels/anyprec_variants.py (by the nearest measured shape; today's kernel wherever the
+table says nothing).
 On sm_90+ the matvec launches overlap the kernel before them (kernels/overlap.py): planes and tables
 first, x after that kernel has ended; a module's first call with new planes or tables launches without
 it (overlap.settled).
@@ -41,7 +42,7 @@ MAX_BATCH = 8  # rows of x per matvec launch
 
 # The instances a (width, batch) may be served by, by name: (flags, tiles), tiles None = choose_tiles.
 # "today" is the kernel every width used before the variants; anyprec_variants.CHOICES names the others
-# where a benchmark showed them faster (benchmarks/bench_anyprec_variants.py).
+# per shape class where a benchmark showed them faster (benchmarks/bench_anyprec_variants.py).
 CANDIDATES = {
     "today": (ALL_FLAGS, None),
     "pair": (ALL_FLAGS | FLAG_PAIR, None),
@@ -217,15 +218,18 @@ _variant_cache = {}
 
 def choose_variant(bits, rows_out, batch, device, dtype, ext, words=None):
     """(flags, tiles) of the instance serving `batch` rows of x at `bits` on `device`: the candidate
-    anyprec_variants.CHOICES names for this GPU, width and batch when it is built, else today's kernel.
-    words (ceil(in_features / 32)) bounds the row-per-lane kernel's split (rows_split)."""
+    anyprec_variants.CHOICES names for this GPU, the shape class of (rows_out, 32 * words), width and batch
+    when it is built, else today's kernel (also when words, ceil(in_features / 32), is not given).
+    words also bounds the row-per-lane kernel's split (rows_split)."""
     index = _device_index(device)
     key = (index, bits, rows_out, batch, dtype, words)
     chosen = _variant_cache.get(key)
     if chosen is None:
         if index not in _gpu_names:
             _gpu_names[index] = torch.cuda.get_device_name(index)
-        flags, tiles = CANDIDATES[anyprec_variants.choice(_gpu_names[index], bits, batch)]
+        name = "today" if words is None else anyprec_variants.choice(_gpu_names[index], bits, batch,
+                                                                    rows_out, 32 * words)
+        flags, tiles = CANDIDATES[name]
         if not ext.has_matvec(dtype, bits, 1, flags):
             flags, tiles = CANDIDATES["today"]
         if tiles is None:

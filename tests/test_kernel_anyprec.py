@@ -556,6 +556,22 @@ def test_matvec_matches_reference_for_every_width(ext, dtype, rows, cols, flags)
             assert _rel_err(y, ref) < REL_TOL, (bits, batch, _rel_err(y, ref))
 
 
+def test_rows_kernel_under_inference_mode(ext):
+    """Planes made under torch.inference_mode (as a decoder built there makes them) track no version counter;
+    the row kernel's layout is still made once and kept."""
+    qt = _artifact(64, 256, 4, 8, seed=5, device="cuda")
+    flags = ag.ALL_FLAGS | ag.FLAG_ROWS
+    if not ext.has_matvec(torch.float16, 8, 1, flags):
+        pytest.skip("no row kernel built")
+    with torch.inference_mode():
+        planes = ag.kernel_layout(qt.planes)
+        x = torch.randn(1, 256, device="cuda").half()
+        first = ag.matvec(x, planes, qt.luts[8], 8, 8, None, flags=flags, ext=ext)
+        again = ag.matvec(x, planes, qt.luts[8], 8, 8, None, flags=flags, ext=ext)
+    assert planes.is_inference() and torch.equal(first, again)
+    assert _rel_err(first, _reference(qt, x, 8)) < REL_TOL
+
+
 def test_dispatch_table_serves_its_candidates(ext, monkeypatch):
     """A table naming each candidate for some (width, batch) of this GPU and the module's shape class: matvec
     launches exactly that instance, with its tile rule, and matches the reference; widths the table leaves out

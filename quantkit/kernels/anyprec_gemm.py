@@ -153,8 +153,10 @@ def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_planes_of(kplanes: torch.Tensor) -> torch.Tensor:
-    """rows_layout(kplanes), made once per buffer version and kept on the tensor itself (freed with it)."""
-    key = (kplanes.data_ptr(), kplanes._version, tuple(kplanes.shape))
+    """rows_layout(kplanes), made once per buffer version and kept on the tensor itself (freed with it).
+    Tensors made under torch.inference_mode track no version: theirs counts as 0."""
+    version = 0 if kplanes.is_inference() else kplanes._version
+    key = (kplanes.data_ptr(), version, tuple(kplanes.shape))
     cached = getattr(kplanes, "_anyprec_rows_planes", None)
     if cached is None or cached[0] != key:
         cached = (key, rows_layout(kplanes))

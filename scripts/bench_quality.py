@@ -115,6 +115,8 @@ def main():
                     help="held-out windows of --calib scored for every model (OOC ensemble rows need them)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only merge the JSON files of several runs (one float row kept), add the ensemble rows, print")
+    ap.add_argument("--no-float", action="store_true",
+                    help="skip the float model's row (parallel runs merged with --merge need it from one of them)")
     ap.add_argument("--output-error", action="store_true",
                     help="calibrate every config (RTN too) so each logs its per-module output error")
     args = ap.parse_args()
@@ -138,13 +140,14 @@ def main():
     if args.val_windows:
         val_ids, meta["validation"] = validation_windows(args.calib, tokenizer, args.val_windows, args.seqlen,
                                                          args.data_dir)
-    t0 = time.perf_counter()
-    scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir,
-                      args.batch_size)
-    val_nll = None if val_ids is None else validation_nll(float_model, val_ids, device)
-    float_model.to("cpu")
-    rows.append({"config": "float", "eval_seconds": round(time.perf_counter() - t0, 1), "results": scores,
-                 "validation_nll": val_nll})
+    if not args.no_float:
+        t0 = time.perf_counter()
+        scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows,
+                          args.data_dir, args.batch_size)
+        val_nll = None if val_ids is None else validation_nll(float_model, val_ids, device)
+        float_model.to("cpu")
+        rows.append({"config": "float", "eval_seconds": round(time.perf_counter() - t0, 1), "results": scores,
+                     "validation_nll": val_nll})
 
     calib_cache = {}
     for text in args.config:

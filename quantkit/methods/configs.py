@@ -72,6 +72,11 @@ def _sensitivity():
                                 "window), or none.", SENSITIVITIES)
 
 
+def _table_refit(default):
+    return choice(default, "Refit every width's lookup table, codes fixed, to the calibration output error ‖(W-Ŵ)X‖² "
+                           "(output; needs calibration data) or keep the k-means tables (none).", ("output", "none"))
+
+
 # ---- the methods ---------------------------------------------------------------------------------------
 
 @register_config("rtn")
@@ -119,7 +124,7 @@ class BCQConfig(MethodConfig):
                               "early once the error stops falling.", 0)
     refits: int = integer(4, "Output solver: rounds of (refit α/z on the output error, re-sweep the codes), each "
                              "kept per row only where it lowers the error.", 0)
-    init: str = choice("uniform", "Output solver start: the clip-searched uniform grid of the default GPTQ "
+    init: str = choice("best", "Output solver start: the clip-searched uniform grid of the default GPTQ "
                                   "(uniform), the weight-error fit (weight), or both with the better kept per row "
                                   "(best).", ("uniform", "weight", "best"))
     damp: float = _damp()
@@ -135,6 +140,7 @@ class SqueezeLLMConfig(MethodConfig):
 
     bits: int = _bits(3)
     sensitivity: str = _sensitivity()
+    table_refit: str = _table_refit("none")  # off: the independent k-means baseline any-precision is held to
 
 
 @register_config("anyprec")
@@ -145,6 +151,7 @@ class AnyPrecisionConfig(MethodConfig):
     seed_bits: int = integer(3, "Bits of the SqueezeLLM seed model.", 1, 8)
     parent_bits: int = integer(8, "Bits of the parent model, upscaled from the seed.", 1, 8)
     sensitivity: str = _sensitivity()
+    table_refit: str = _table_refit("output")
     # recorded, not chosen: every anyprec artifact stores how it was upscaled, so these keys stay to keep the
     # quantization_config unchanged; split (each cluster cut at its exact 2-means point, the paper's rule) is
     # the only rule, and level_weights (a parameter of another rule) is always None

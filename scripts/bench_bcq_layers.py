@@ -3,7 +3,9 @@
 For every linear of the chosen decoder layers of the float model, the Hessian statistics of its input over
 --nsamples C4 windows (float activations: no layer is quantized first, unlike the engine's sequential
 walk), then each config's relative output error tr(ΔHΔᵀ)/tr(WHWᵀ) of the stored tensor, summed over the
-matrices as Σ tr(ΔHΔᵀ) / Σ tr(WHWᵀ). A quick direction check that needs no perplexity run:
+matrices as Σ tr(ΔHΔᵀ) / Σ tr(WHWᵀ), on the calibration windows and on --holdout other C4 windows (another
+seed; the held-out number is the one that can show a calibration fit overfitting). A quick direction
+check that needs no perplexity run:
 
   python scripts/bench_bcq_layers.py --layers 0,10,20,29 --nsamples 8 --config gptq:3 \\
       --config bcq:3:offset=true --config bcq:3:offset=true,solver=weight --json out/bcq_layers.json
@@ -63,6 +65,7 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--layers", default="0,10,20,29")
     ap.add_argument("--nsamples", type=int, default=8)
+    ap.add_argument("--holdout", type=int, default=4, help="held-out C4 windows (seed 1) for the second error")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--config", action="append", default=[])
@@ -76,28 +79,39 @@ def main():
     names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
              and any(f".layers.{i}." in name for i in layers)]
     stats = gather_stats(model, names, windows)
+    held = gather_stats(model, names, calibration_windows("c4", tokenizer, args.holdout, args.seqlen, 1,
+                                                          args.data_dir)[0]) if args.holdout else None
     rows = {}
     for text in args.config:
         method_name, params = parse(text, args.group_size)
         method = make_method(method_name, **params)
-        num = den = seconds = 0.0
+        sums = {"calibration": [0.0, 0.0], "held_out": [0.0, 0.0]}
+        seconds = 0.0
         per_module = {}
         for name in names:
             weight = model.get_submodule(name).weight.detach().float()
             start = time.perf_counter()
             qt, _ = method.quantize(weight, stats[name])
             seconds += time.perf_counter() - start
-            h, w = prepare_hessian(stats[name]["xtx"], stats[name]["nsamples"], weight)
-            err = output_error(w, qt.dequantize(), h).sum().item()
-            ref = output_error(w, torch.zeros_like(w), h).sum().item()
-            per_module[name] = err / ref
-            num, den = num + err, den + ref
-        rows[text] = {"relative_output_error": num / den, "seconds": round(seconds, 1),
+            w_hat = qt.dequantize()
+            for key, source in (("calibration", stats), ("held_out", held)):
+                if source is None:
+                    continue
+                h, w = prepare_hessian(source[name]["xtx"], source[name]["nsamples"], weight)
+                err = output_error(w, w_hat, h).sum().item()
+                ref = output_error(w, torch.zeros_like(w), h).sum().item()
+                per_module.setdefault(name, {})[key] = err / ref
+                sums[key][0] += err
+                sums[key][1] += ref
+        errors = {key: num / den for key, (num, den) in sums.items() if den}
+        rows[text] = {"relative_output_error": errors, "seconds": round(seconds, 1),
                       "bits_per_weight": qt.bits_per_weight(), "modules": per_module}
-        print(f"{text}: relative output error {num / den:.5f}, {seconds:.1f} s", flush=True)
+        print(f"{text}: relative output error " + ", ".join(f"{k} {v:.5f}" for k, v in errors.items())
+              + f", {seconds:.1f} s", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"layers": layers, "nsamples": args.nsamples, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"layers": layers, "nsamples": args.nsamples, "holdout": args.holdout,
+                                               "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

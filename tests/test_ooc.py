@@ -235,6 +235,7 @@ def test_h3_beats_h2_on_probe_loss():
     ({"low_bits": 1}, "--low-bits"), ({"high_bits": 9}, "--high-bits"), ({"low_bits": 3, "high_bits": 2}, "at least"),
     ({"clear_fraction": 0.0}, "--clear-fraction"), ({"scan": 1.5}, "--scan"), ({"impl": "naive"}, "does not take impl"),
     ({"per_row": "yes"}, "per_row"), ({"bits": 2}, "does not take"),
+    ({"static_groups": False}, "--act-order needs --static-groups"),  # the ooc format has no g_idx
 ])
 def test_validation(kwargs, match):
     with pytest.raises(QuantkitError, match=match):

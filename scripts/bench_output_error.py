@@ -1,15 +1,16 @@
-"""Calibration output error of BCQ solvers against GPTQ on SmolLM2's real matrices, layer by layer, on the CPU.
+"""Output error of quantization methods on SmolLM2's real matrices, layer by layer, on the CPU.
 
 For every linear of the chosen decoder layers of the float model, the Hessian statistics of its input over
 --nsamples C4 windows (float activations: no layer is quantized first, unlike the engine's sequential
 walk), then each config's relative output error tr(ΔHΔᵀ)/tr(WHWᵀ) of the stored tensor, summed over the
-matrices as Σ tr(ΔHΔᵀ) / Σ tr(WHWᵀ), on the calibration windows and on --holdout other C4 windows (another
-seed; the held-out number is the one that can show a calibration fit overfitting). A quick direction
+matrices as Σ tr(ΔHΔᵀ) / Σ tr(WHWᵀ), on the calibration windows and on --holdout held-out C4 windows (documents
+calibration never draws; the held-out number is the one that can show a calibration fit overfitting). A quick direction
 check that needs no perplexity run:
 
-  python scripts/bench_bcq_layers.py --layers 0,10,20,29 --nsamples 8 --config gptq:3 \\
-      --config bcq:3:offset=true --config bcq:3:offset=true,solver=weight --json out/bcq_layers.json
-A config is METHOD:BITS[:key=value,...] (group size --group-size for all).
+  python scripts/bench_output_error.py --layers 0,10,20,29 --nsamples 8 --config gptq:3 \\
+      --config bcq:3:offset=true --config bcq:3:offset=true,solver=weight --json out/output_error.json
+A config is METHOD:BITS[:key=value,...] (group size --group-size for all; BITS "-" for methods without it);
+eval_bits=3/4 scores an any-precision tensor at each listed width.
 """
 
 import argparse
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.data import calibration_windows
+from quantkit.data import calibration_windows, validation_windows
 from quantkit.methods import make_method
 from quantkit.methods.bcq_output import output_error
 from quantkit.methods.gptq import prepare_hessian
@@ -27,10 +28,17 @@ from quantkit.models import load_model, load_tokenizer, resolve_source
 
 
 def parse(text, group_size):
+    """(method, params, eval_bits or [None])."""
     method, bits, *extra = text.split(":")
-    params = {"bits": int(bits), "group_size": group_size}
+    params = {} if bits == "-" else {"bits": int(bits)}
+    if method in ("rtn", "gptq", "bcq", "ooc"):
+        params["group_size"] = group_size
+    eval_bits = [None]
     for item in ",".join(extra).split(",") if extra else []:
         key, value = item.split("=")
+        if key == "eval_bits":
+            eval_bits = [int(b) for b in value.split("/")]
+            continue
         value = {"true": True, "false": False}.get(value.lower(), value)
         if isinstance(value, str):
             try:
@@ -38,7 +46,7 @@ def parse(text, group_size):
             except ValueError:
                 pass
         params[key] = value
-    return method, params
+    return method, params, eval_bits
 
 
 def gather_stats(model, names, windows):
@@ -65,7 +73,7 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--layers", default="0,10,20,29")
     ap.add_argument("--nsamples", type=int, default=8)
-    ap.add_argument("--holdout", type=int, default=4, help="held-out C4 windows (seed 1) for the second error")
+    ap.add_argument("--holdout", type=int, default=4, help="held-out C4 windows for the second error")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--config", action="append", default=[])
@@ -79,35 +87,33 @@ def main():
     names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
              and any(f".layers.{i}." in name for i in layers)]
     stats = gather_stats(model, names, windows)
-    held = gather_stats(model, names, calibration_windows("c4", tokenizer, args.holdout, args.seqlen, 1,
-                                                          args.data_dir)[0]) if args.holdout else None
+    held = gather_stats(model, names, validation_windows("c4", tokenizer, args.holdout, args.seqlen,
+                                                         args.data_dir)[0]) if args.holdout else None
     rows = {}
     for text in args.config:
-        method_name, params = parse(text, args.group_size)
+        method_name, params, eval_bits = parse(text, args.group_size)
         method = make_method(method_name, **params)
-        sums = {"calibration": [0.0, 0.0], "held_out": [0.0, 0.0]}
+        sums = {(b, key): [0.0, 0.0] for b in eval_bits for key in ("calibration", "held_out")}
         seconds = 0.0
-        per_module = {}
         for name in names:
             weight = model.get_submodule(name).weight.detach().float()
             start = time.perf_counter()
             qt, _ = method.quantize(weight, stats[name])
             seconds += time.perf_counter() - start
-            w_hat = qt.dequantize()
-            for key, source in (("calibration", stats), ("held_out", held)):
-                if source is None:
-                    continue
-                h, w = prepare_hessian(source[name]["xtx"], source[name]["nsamples"], weight)
-                err = output_error(w, w_hat, h).sum().item()
-                ref = output_error(w, torch.zeros_like(w), h).sum().item()
-                per_module.setdefault(name, {})[key] = err / ref
-                sums[key][0] += err
-                sums[key][1] += ref
-        errors = {key: num / den for key, (num, den) in sums.items() if den}
-        rows[text] = {"relative_output_error": errors, "seconds": round(seconds, 1),
-                      "bits_per_weight": qt.bits_per_weight(), "modules": per_module}
-        print(f"{text}: relative output error " + ", ".join(f"{k} {v:.5f}" for k, v in errors.items())
-              + f", {seconds:.1f} s", flush=True)
+            for b in eval_bits:
+                w_hat = qt.dequantize() if b is None else qt.dequantize(bits=b)
+                for key, source in (("calibration", stats), ("held_out", held)):
+                    if source is None:
+                        continue
+                    h, w = prepare_hessian(source[name]["xtx"], source[name]["nsamples"], weight)
+                    sums[b, key][0] += output_error(w, w_hat, h).sum().item()
+                    sums[b, key][1] += output_error(w, torch.zeros_like(w), h).sum().item()
+        for b in eval_bits:
+            label = text if b is None else f"{text} @{b}b"
+            errors = {key: num / den for (bb, key), (num, den) in sums.items() if bb == b and den}
+            rows[label] = {"relative_output_error": errors, "seconds": round(seconds, 1)}
+            print(f"{label}: relative output error " + ", ".join(f"{k} {v:.5f}" for k, v in errors.items())
+                  + f", {seconds:.1f} s", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"layers": layers, "nsamples": args.nsamples, "holdout": args.holdout,

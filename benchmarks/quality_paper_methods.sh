@@ -8,8 +8,14 @@
 # are merged (one table, ensemble rows added) and plotted when matplotlib is importable.
 #   QUANTKIT_DATA=stage/data MODEL=stage/model.gguf OUT=$OUT benchmarks/quality_paper_methods.sh
 # Quantize times are measured while the other processes share the GPU and the host: compare them within
-# this run only.
+# this run only. The CUDA extensions are not built (QUANTKIT_NO_KERNELS=cuda, unless KERNELS=1): on a fresh
+# machine seventeen processes would wait for their first build. Every method then runs its PyTorch path on
+# the GPU (the GPTQ column loop included, so GPTQ and the BCQ sweep are timed alike) and evaluation runs the
+# reference dequantize + matmul, which the kernels are held to. The CPU extension (exact k-means of
+# SqueezeLLM and any-precision) is built once, before the processes start.
 set -u
+[[ ${KERNELS:-0} == 1 ]] || export QUANTKIT_NO_KERNELS=cuda
+python3 -c "from quantkit.methods import kmeans_native as k; print('CPU extension:', k.extension() is not None)"
 model=${MODEL:?set MODEL to the SmolLM2 gguf (e.g. stage/model.gguf) or a model dir}
 out=${OUT:?set OUT to the result directory}
 limit=${LIMIT:-420}

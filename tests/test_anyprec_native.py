@@ -247,6 +247,18 @@ def test_load_cpu_reports_a_failed_build(monkeypatch, tmp_path):
     assert build.load_cpu("absent") is None
 
 
+def test_no_kernels_cuda_keeps_the_cpu_extension(monkeypatch, tmp_path):
+    from quantkit.kernels import build
+
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setenv("QUANTKIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTKIT_NO_KERNELS", "cuda")
+    assert build.unavailable_reason("gptq") == "QUANTKIT_NO_KERNELS=cuda" and build.load("gptq") is None
+    with pytest.warns(UserWarning, match="no source"):  # the CPU loader still tries: it looks for the source
+        assert build.load_cpu("absent") is None
+
+
 @needs_ext
 def test_cli_records_the_upscale_rule(tiny_llama_dir, tmp_path, data_dir):
     """split is the one rule: not a command-line choice, but every anyprec artifact records it."""

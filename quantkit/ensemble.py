@@ -19,11 +19,11 @@ from quantkit.methods import make_method
 
 
 def ooc_flows(ooc_method):
-    """[(label, method)]: GPTQ(l) with the same group, symmetry and damping as the OOC method's inner
-    GPTQ (plain: no act-order, no static groups, no clipping search), then GPTQ(h,l,p,s) itself."""
+    """[(label, method)]: GPTQ(l) with the settings of the OOC method's inner GPTQ (group, symmetry, damping,
+    act-order, static groups, clip search), then GPTQ(h,l,p,s) itself."""
     m = ooc_method
-    low = make_method("gptq", bits=m.low_bits, group_size=m.group_size, sym=m.sym, damp=m.damp, act_order=False,
-                      static_groups=False, clip_search=False, block_size=m.block_size)
+    low = make_method("gptq", bits=m.low_bits, group_size=m.group_size, sym=m.sym, damp=m.damp, act_order=m.act_order,
+                      static_groups=m.static_groups, clip_search=m.clip_search, block_size=m.block_size)
     label = f"GPTQ({m.high_bits},{m.low_bits},{m.clear_fraction:g},{m.scan:g})" + (" per-row" if m.per_row else "")
     return [(f"GPTQ({m.low_bits})", low), (label, m)]
 

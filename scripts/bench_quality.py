@@ -11,7 +11,7 @@ BITS/GROUP of "-" leave the method's own defaults (ooc and anyprec name their bi
   ooc:-:128:high_bits=3,scan=0.5          anyprec:-:-:sensitivity=fisher,eval_bits=4/5/6/7/8
 eval_bits (any-precision) evaluates the one artifact at every listed width. --val-windows N also
 scores every model on N held-out windows of the calibration set and adds the OOC two-flow
-ensemble rows: each ooc row against the plain GPTQ(l) row with its group size, lower loss kept.
+ensemble rows: each ooc row against the GPTQ(l) row with its inner GPTQ's settings, lower loss kept.
 """
 
 import argparse
@@ -51,8 +51,11 @@ def parse_config(text):
             eval_bits = [int(b) for b in value.split("/")]
             continue
         params[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if isinstance(params[key], str) and key != "sensitivity":
-            params[key] = float(value) if "." in value else int(value)
+        if isinstance(params[key], str):  # a number, else a choice (sensitivity=fisher, solver=weight)
+            try:
+                params[key] = float(value) if "." in value else int(value)
+            except ValueError:
+                pass
     return method, params, eval_bits
 
 
@@ -78,10 +81,9 @@ def ensemble_rows(rows):
         cfg = row.get("settings") or {}
         if row.get("method") != "ooc":
             continue
+        inner = ("group_size", "sym", "act_order", "static_groups", "clip_search")  # the OOC row's inner GPTQ
         low = [r for r in rows if r.get("method") == "gptq" and r["settings"]["bits"] == cfg["low_bits"]
-               and r["settings"]["group_size"] == cfg["group_size"] and r["settings"]["sym"] == cfg["sym"]
-               and not r["settings"]["act_order"] and not r["settings"]["static_groups"]
-               and not r["settings"]["clip_search"]]
+               and all(r["settings"][key] == cfg.get(key, False) for key in inner)]
         if not low:
             continue
         chosen = min([low[0], row], key=lambda r: r["validation_nll"])
@@ -113,6 +115,8 @@ def main():
                     help="held-out windows of --calib scored for every model (OOC ensemble rows need them)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only merge the JSON files of several runs (one float row kept), add the ensemble rows, print")
+    ap.add_argument("--no-float", action="store_true",
+                    help="skip the float model's row (parallel runs merged with --merge need it from one of them)")
     ap.add_argument("--output-error", action="store_true",
                     help="calibrate every config (RTN too) so each logs its per-module output error")
     args = ap.parse_args()
@@ -136,13 +140,14 @@ def main():
     if args.val_windows:
         val_ids, meta["validation"] = validation_windows(args.calib, tokenizer, args.val_windows, args.seqlen,
                                                          args.data_dir)
-    t0 = time.perf_counter()
-    scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows, args.data_dir,
-                      args.batch_size)
-    val_nll = None if val_ids is None else validation_nll(float_model, val_ids, device)
-    float_model.to("cpu")
-    rows.append({"config": "float", "eval_seconds": round(time.perf_counter() - t0, 1), "results": scores,
-                 "validation_nll": val_nll})
+    if not args.no_float:
+        t0 = time.perf_counter()
+        scores = evaluate(float_model.to(device), tokenizer, datasets, args.seqlen, device, args.max_windows,
+                          args.data_dir, args.batch_size)
+        val_nll = None if val_ids is None else validation_nll(float_model, val_ids, device)
+        float_model.to("cpu")
+        rows.append({"config": "float", "eval_seconds": round(time.perf_counter() - t0, 1), "results": scores,
+                     "validation_nll": val_nll})
 
     calib_cache = {}
     for text in args.config:

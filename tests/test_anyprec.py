@@ -56,7 +56,8 @@ def test_bitplane_round_trip(bits, d):
 
 
 def _anyprec(weight, stats, seed=3, parent=8, sensitivity="activation"):
-    method = make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity)
+    # the k-means tables: what the upscaling tests are about (the output refit has its own tests below)
+    method = make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity, table_refit="none")
     return method.quantize(weight, stats)[0]
 
 
@@ -152,8 +153,8 @@ def test_cli_quantize_and_eval_bits(tiny_llama_dir, tmp_path, data_dir):
     out = tmp_path / "ap"
     runner = CliRunner()
     result = runner.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--method", "anyprec", "--seed-bits", "2",
-                                  "--parent-bits", "3", "--sensitivity", "none", "--out", str(out),
-                                  "--data-dir", str(data_dir)])
+                                  "--parent-bits", "3", "--sensitivity", "none", "--table-refit", "none",
+                                  "--out", str(out), "--data-dir", str(data_dir)])
     assert result.exit_code == 0, result.output
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["seed_bits"] == 2 and cfg["parent_bits"] == 3 and cfg["sensitivity"] == "none"
@@ -254,3 +255,48 @@ def test_torch_kmeans_refuses_non_finite_input(bad):
         w[2, 7] = float("inf") if bad == "sens_inf" else -1.0
     with pytest.raises(QuantkitError, match="not finite|negative"):
         weighted_kmeans_1d(x, w, 4)
+
+
+# ---- output-aware table refit -------------------------------------------------------------------
+
+def _correlated_problem(k=24, d=160, seed=0):
+    from gptq_helpers import correlated_inputs, hessian_stats
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k, d, generator=gen) * 0.02, hessian_stats(correlated_inputs(3 * d, d, gen))
+
+
+def _output_errors(weight, w_hat, xtx):
+    delta = weight - w_hat
+    return ((delta @ xtx) * delta).sum(dim=1)
+
+
+def test_table_refit_never_raises_a_rows_output_error_and_helps_overall():
+    from quantkit.methods.table_refit import refit_table
+
+    weight, stats = _correlated_problem()
+    plain, _ = make_method("anyprec", seed_bits=3, parent_bits=6, table_refit="none").quantize(weight, stats)
+    refit, info = make_method("anyprec", seed_bits=3, parent_bits=6).quantize(weight, stats)
+    assert torch.equal(plain.planes, refit.planes)  # codes fixed: only the tables move
+    for b in range(3, 7):
+        before = _output_errors(weight, plain.dequantize(bits=b), stats["xtx"])
+        after = _output_errors(weight, refit.dequantize(bits=b), stats["xtx"])
+        assert bool((after <= before).all()) and after.sum() < 0.99 * before.sum(), b
+        assert info["table_refit_rows"][b] == int((after < before).sum())
+    # with H diagonal the output error is the diagonally weighted error: the weighted cluster means that
+    # k-means already stores are its least-squares table, so nothing moves beyond the fp16 rounding
+    diag = torch.diag(stats["xtx"].diagonal())
+    codes = plain.codes(4)
+    table, _ = refit_table(weight, codes, plain.luts[4].float(), diag)
+    torch.testing.assert_close(table, plain.luts[4].float(), rtol=2**-10, atol=1e-6)
+
+
+def test_squeezellm_table_refit_is_opt_in():
+    weight, stats = _correlated_problem(seed=1)
+    assert make_method("squeezellm").config()["table_refit"] == "none"
+    assert make_method("squeezellm", sensitivity="none").stats == ()
+    assert make_method("squeezellm", sensitivity="none", table_refit="output").stats == ("hessian",)
+    plain, _ = make_method("squeezellm", bits=4).quantize(weight, stats)
+    refit, _ = make_method("squeezellm", bits=4, table_refit="output").quantize(weight, stats)
+    assert _output_errors(weight, refit.dequantize(), stats["xtx"]).sum() < \
+        _output_errors(weight, plain.dequantize(), stats["xtx"]).sum()

@@ -213,7 +213,7 @@ def test_methods_use_the_native_path():
     sens = sens + 1e-6 * sens.mean()
     sq, info = make_method("squeezellm", bits=3).quantize(weight, stats)
     assert info["weighted_sse"] == pytest.approx(kn.native_kmeans_exact(weight, sens, 8).sum().item(), rel=1e-9)
-    split, info = make_method("anyprec", seed_bits=3, parent_bits=6).quantize(weight, stats)
+    split, info = make_method("anyprec", seed_bits=3, parent_bits=6, table_refit="none").quantize(weight, stats)
     assert torch.equal(sq.dequantize(), split.dequantize(bits=3))  # split keeps the squeezellm seed
     for b in range(3, 7):
         assert torch.equal(split.codes(b), split.codes() >> (6 - b))
@@ -227,7 +227,8 @@ def test_fallback_without_the_extension(monkeypatch):
     assert kn.native_anyprec(weight, torch.ones(40), 2, 3) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the method runs on the torch path without a word
-        qt, _ = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none").quantize(weight, None)
+        qt, _ = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none",
+                            table_refit="none").quantize(weight, None)
     for b in (2, 3):
         assert torch.equal(qt.codes(b), qt.codes() >> (3 - b))
 
@@ -246,6 +247,18 @@ def test_load_cpu_reports_a_failed_build(monkeypatch, tmp_path):
     assert build.load_cpu("absent") is None
 
 
+def test_no_kernels_cuda_keeps_the_cpu_extension(monkeypatch, tmp_path):
+    from quantkit.kernels import build
+
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setenv("QUANTKIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTKIT_NO_KERNELS", "cuda")
+    assert build.unavailable_reason("gptq") == "QUANTKIT_NO_KERNELS=cuda" and build.load("gptq") is None
+    with pytest.warns(UserWarning, match="no source"):  # the CPU loader still tries: it looks for the source
+        assert build.load_cpu("absent") is None
+
+
 @needs_ext
 def test_cli_records_the_upscale_rule(tiny_llama_dir, tmp_path, data_dir):
     """split is the one rule: not a command-line choice, but every anyprec artifact records it."""
@@ -258,7 +271,7 @@ def test_cli_records_the_upscale_rule(tiny_llama_dir, tmp_path, data_dir):
     out = tmp_path / "ap"
     runner = CliRunner()
     result = runner.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--method", "anyprec", "--seed-bits", "2",
-                                  "--parent-bits", "3", "--sensitivity", "none",
+                                  "--parent-bits", "3", "--sensitivity", "none", "--table-refit", "none",
                                   "--out", str(out), "--data-dir", str(data_dir)])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["upscale"] == "split"

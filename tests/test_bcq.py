@@ -1,12 +1,15 @@
-"""BCQ: the alternating solver, the kernel layout, uniform -> BCQ conversion, artifacts and the CLI."""
+"""BCQ: the output-aware and the weight-error solvers, the kernel layout, uniform -> BCQ conversion, artifacts and
+the CLI."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from factories import tiny_causal_lm
+from gptq_helpers import correlated_inputs, hessian_stats
 from quantkit import bitfamily
 from quantkit.artifact import float_tensors, read_config, read_tensors, split_module_tensors, write_artifact
 from quantkit.cli import main
@@ -16,10 +19,21 @@ from quantkit.formats.base import quantized_tensor_from_state_dict
 from quantkit.formats.bcq import BCQQuantizedTensor, bcq_from_uniform, pack_planes, unpack_planes
 from quantkit.formats.uniform import UniformQuantizedTensor
 from quantkit.methods import make_method
-from quantkit.methods.bcq import bcq_fit
+from quantkit.methods.bcq import _least_squares, _nearest, _sign_table, bcq_fit, weight_start
+from quantkit.methods.bcq_output import (
+    grid_values,
+    output_bcq_fit,
+    output_error,
+    reconstruct,
+    refit,
+    sweep,
+    uniform_start,
+)
+from quantkit.methods.gptq import inverse_cholesky, prepare_hessian
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.models import adapter_for
 from quantkit.runtime import QuantLinear, load_quantized
+from test_kernel_lutgemm import TOL, _emulate, _save, emulator, reference, rel_err  # noqa: F401 (emulator: a fixture)
 
 
 def _matrix(kind, k=48, d=200, seed=0):
@@ -81,15 +95,145 @@ def test_non_finite_weight_is_refused(value):
 
 
 def test_method_contract():
-    method = make_method("bcq", bits=3, group_size=64, offset=True, rounds=4)
-    assert method.stats == () and method.config() == {"bits": 3, "group_size": 64, "offset": True, "rounds": 4}
+    method = make_method("bcq", bits=3, group_size=64, offset=True, rounds=4, solver="weight")
+    assert method.stats == () and method.config()["rounds"] == 4 and method.config()["solver"] == "weight"
+    assert make_method("bcq").stats == ("hessian",)  # the default, output-aware solver needs calibration
     w = _matrix("gaussian")
     qt, info = method.quantize(w, None)
     assert qt.meta()["format"] == "bcq" and 1 <= info["bcq_rounds"] <= 4
     assert 0 < info["bcq_error"] < info["bcq_greedy_error"]
-    for bad in ({"bits": 0}, {"bits": 9}, {"rounds": -1}, {"offset": "yes"}, {"group_size": -5}):
+    for bad in ({"bits": 0}, {"bits": 9}, {"rounds": -1}, {"offset": "yes"}, {"group_size": -5}, {"solver": "hessian"},
+                {"refits": -1}, {"init": "greedy"}):
         with pytest.raises(Exception, match="--"):
             make_method("bcq", **bad)
+
+
+# ---- the output-aware solver --------------------------------------------------------------------
+
+def _calibrated(k=32, d=576, seed=0):
+    """A weight with a few strong columns and the Hessian stats of correlated, unevenly scaled inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    x = correlated_inputs(2 * d, d, gen)
+    w = torch.randn(k, d, generator=gen) * 0.02
+    w[:, :12] *= 4
+    return w, hessian_stats(x)
+
+
+def _output_error(w, qt, stats):
+    h, w = prepare_hessian(stats["xtx"], stats["nsamples"], w)
+    return output_error(w, qt.dequantize(), h).sum().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("bits,offset", [(2, False), (2, True), (3, False), (3, True), (4, True)])
+def test_output_solver_never_above_weight_solver(seed, bits, offset):
+    w, stats = _calibrated(seed=seed)  # 576 wide, g = 128: four full groups and a partial one of 64
+    out, info = make_method("bcq", bits=bits, group_size=128, offset=offset).quantize(w, stats)
+    ref, _ = make_method("bcq", bits=bits, group_size=128, offset=offset, solver="weight").quantize(w, stats)
+    assert _output_error(w, out, stats) <= _output_error(w, ref, stats)
+    # the logged error is the stored tensor's (fp16 α and z), relative to tr(W H Wᵀ)
+    h, wp = prepare_hessian(stats["xtx"], stats["nsamples"], w)
+    norm = output_error(wp, torch.zeros_like(wp), h).sum().item()
+    assert info["bcq_output_error"] == pytest.approx(_output_error(w, out, stats) / norm, rel=1e-4)
+    assert out.alpha.dtype == torch.float16 and bool((out.alpha >= 0).all())  # the format's sign convention
+
+
+@pytest.mark.parametrize("init", ["uniform", "weight", "best"])
+def test_output_solver_error_never_rises(init):
+    w, stats = _calibrated(seed=3)
+    h, wp = prepare_hessian(stats["xtx"], stats["nsamples"], w)
+    u, _ = inverse_cholesky(h, 0.01)
+    fit = output_bcq_fit(wp, h, u, None, 3, 128, True, rounds=4, init=init, weight_fit=weight_start(3, 128, True, 15))
+    assert all(b <= a for a, b in zip(fit.history, fit.history[1:])), fit.history
+    assert fit.error == fit.history[-1] < fit.history[0]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_uniform_start_is_default_gptq(bits):
+    """The uniform grid is a BCQ grid: swept on it, the codes are exactly the default GPTQ's at q bits
+    (act-order, static groups, clip search). Stored, the offset is rounded to fp16, which moves the grid
+    by at most 2^(q-12) of a step; the greedy sweep then drifts a little (within 5 % of GPTQ's output error)."""
+    w, stats = _calibrated(seed=4)
+    gptq, _ = make_method("gptq", bits=bits, group_size=128).quantize(w, stats)
+    h, wp = prepare_hessian(stats["xtx"], stats["nsamples"], w)
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    u, _ = inverse_cholesky(h[perm][:, perm], 0.01)
+    alpha, z = uniform_start(wp, bits, 128, True, True)
+    converted = bcq_from_uniform(gptq)
+    assert torch.equal(alpha.permute(1, 2, 0).half(), converted.alpha) and torch.equal(z.t().half(), converted.offset)
+    exact_z = gptq.scales.float() * ((2**bits - 1) / 2 - gptq.zeros())  # the grid (c − z_u)·s, not rounded
+    idx = sweep(wp, u, perm, grid_values(alpha, exact_z, bits), 128, 128)
+    assert torch.equal(idx, gptq.codes().long())
+    idx = sweep(wp, u, perm, grid_values(alpha, z, bits), 128, 128)
+    signs = ((idx.unsqueeze(0) >> torch.arange(bits)[:, None, None]) & 1).bool()
+    start = BCQQuantizedTensor.from_signs(signs, alpha, z, 128)
+    assert _output_error(w, start, stats) == pytest.approx(_output_error(w, gptq, stats), rel=0.05)
+
+
+def test_identity_hessian_reduces_to_the_weight_solver():
+    """With H = c·I the two solvers take the same steps: the sweep has no error feedback, so its codes are
+    exactly the nearest values' (equal codes), and the refit is the weight solver's per-group least squares
+    (equal values up to fp32 sums). Started from the weight solver's fit, the output solver only continues
+    that alternation (a least-squares step after the fp16 rounding, which the weight solver ends on), so its
+    error is at most c times the weight solver's and within 1 % of it."""
+    w = _matrix("student-t", k=24, d=200)
+    c = 2.5
+    h = c * torch.eye(200)
+    u, _ = inverse_cholesky(h, 0.01)
+    fit = bcq_fit(w, 3, 64, True, rounds=200)
+    alpha, z, idx = weight_start(3, 64, True, 200)(w)
+    # sweep = nearest, for the weight solver's grid and for a perturbed one
+    for a in (alpha, (alpha * 1.1).half().float()):
+        values = grid_values(a, z, 3)
+        g = torch.nn.functional.pad(w, (0, 56)).reshape(24, 4, 64)
+        nearest = _nearest(g, values).reshape(24, 256)[:, :200]
+        assert torch.equal(sweep(w, u, None, values, 64, 32), nearest)
+    # refit = the weight solver's least squares (compared as representable values: the refit folds signs)
+    mask = (torch.arange(256) < 200).reshape(4, 64).float()
+    ls_alpha, ls_z = _least_squares(torch.nn.functional.pad(w, (0, 56)).reshape(24, 4, 64), mask,
+                                    torch.nn.functional.pad(idx, (0, 56)).reshape(24, 4, 64), _sign_table(3, "cpu"),
+                                    True)
+    r_alpha, r_z, r_idx = refit(w, h, idx, 3, 64, True)
+    torch.testing.assert_close(reconstruct(grid_values(r_alpha, r_z, 3), r_idx, 64),
+                               reconstruct(grid_values(ls_alpha, ls_z, 3), idx, 64), rtol=0, atol=2e-3 * w.abs().max())
+    out = output_bcq_fit(w, h, u, None, 3, 64, True, rounds=4, init="weight", weight_fit=weight_start(3, 64, True, 200))
+    assert out.error <= c * fit.error * (1 + 1e-6)
+    assert out.error == pytest.approx(c * fit.error, rel=1e-2)
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_output_bcq_serves_the_lut_reference(offset):
+    w, stats = _calibrated(k=24, seed=5)
+    qt, _ = make_method("bcq", bits=3, group_size=128, offset=offset).quantize(w, stats)
+    assert qt.alpha.shape == (5, 3, 24)  # 576 = 4·128 + 64: a partial last group
+    x = torch.randn(576, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_lut_gemv(qt, x), qt.dequantize().double() @ x.double(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("n,offset", [(1, True), (3, False), (8, True)])
+def test_output_bcq_feeds_the_emulated_kernel(emulator, tmp_path, n, offset):  # noqa: F811 (the fixture)
+    """The stored tensors of the output-aware solver go to the LUT-GEMM source (host emulation) as they
+    are and give dequantize-then-matmul's result."""
+    w, stats = _calibrated(k=64, seed=n)
+    qt, _ = make_method("bcq", bits=3, group_size=128, offset=offset).quantize(w, stats)
+    x = torch.randn(n, 576, generator=torch.Generator().manual_seed(n)).half()
+    names = [("qweight", qt.qweight), ("alpha", qt.alpha), ("x", x)] + ([("offset", qt.offset)] if offset else [])
+    for name, t in names:
+        _save(tmp_path, name, t)
+    _emulate(emulator, tmp_path, ["gemm", tmp_path, n, 576, 64, 3, 128, int(offset), 0, 3, 9])
+    y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, 64))
+    assert rel_err(y, reference(x, qt)) < TOL
+
+
+def test_tiny_llama_output_bcq_through_the_engine():
+    model = _tiny_llama()
+    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    method = make_method("bcq", bits=3, group_size=32, offset=True)
+    qtensors, entries = quantize_model(model, adapter_for(model.config), method, calib, progress=False)
+    assert all(qt.format_name == "bcq" for qt in qtensors.values()) and len(qtensors) == 14
+    assert all(e["bcq_output_error"] <= e["bcq_start_output_error"] for e in entries)
+    with pytest.raises(QuantkitError, match="calibration"):
+        quantize_model(_tiny_llama(), adapter_for(model.config), method, None, progress=False)
 
 
 # ---- the stored layout --------------------------------------------------------------------------
@@ -230,7 +374,7 @@ def _round_float_params(model, quantized):
 @pytest.mark.parametrize("offset", [False, True])
 def test_tiny_llama_bcq_artifact_round_trip(tmp_path, offset):
     model = _tiny_llama()  # down_proj has d = 80: a partial last group and 16 padding bits per row
-    method = make_method("bcq", bits=3, group_size=32, offset=offset, rounds=5)
+    method = make_method("bcq", bits=3, group_size=32, offset=offset, rounds=5, solver="weight")
     qtensors, entries = quantize_model(model, adapter_for(model), method, None, progress=False)
     assert all(qt.format_name == "bcq" for qt in qtensors.values()) and len(qtensors) == 14
     assert all(e["bcq_error"] < e["bcq_greedy_error"] for e in entries)
@@ -291,8 +435,8 @@ def _run(*args):
 
 def test_cli_quantize_bcq_and_format(tiny_llama_dir, tmp_path):
     out = tmp_path / "bcq"
-    result = _run("quantize", "--model", tiny_llama_dir, "--method", "bcq", "--bits", 2, "--group-size", 32,
-                  "--offset", "--rounds", 3, "--out", out)
+    result = _run("quantize", "--model", tiny_llama_dir, "--method", "bcq", "--solver", "weight", "--bits", 2,
+                  "--group-size", 32, "--offset", "--rounds", 3, "--out", out)
     assert result.exit_code == 0, result.output
     qcfg = read_config(out)["quantization_config"]
     assert qcfg["format"] == "bcq" and qcfg["offset"] is True and qcfg["rounds"] == 3
@@ -312,7 +456,7 @@ def test_cli_quantize_bcq_and_format(tiny_llama_dir, tmp_path):
             torch.testing.assert_close(module.dequantized_weight(), ref, rtol=0, atol=ref.abs().max().item() * 2**-10)
 
     preset = tmp_path / "p.yaml"
-    preset.write_text("method: bcq\nbits: 2\ngroup-size: 64\noffset: true\nrounds: 2\n")
+    preset.write_text("method: bcq\nsolver: weight\nbits: 2\ngroup-size: 64\noffset: true\nrounds: 2\n")
     assert _run("quantize", "--model", tiny_llama_dir, "--preset", preset, "--out", tmp_path / "p").exit_code == 0
     assert read_config(tmp_path / "p")["quantization_config"]["group_size"] == 64
 

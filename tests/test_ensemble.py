@@ -20,13 +20,16 @@ def _calib(seed, n=4, t=32):
     return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-def test_flows_are_plain_gptq_low_and_the_ooc_method():
+def test_flows_are_gptq_low_with_the_inner_settings_and_the_ooc_method():
     ooc = make_method("ooc", low_bits=2, high_bits=3, clear_fraction=0.2, scan=0.5, group_size=32, per_row=True)
     (low_label, low), (ooc_label, same) = ooc_flows(ooc)
     assert same is ooc and low_label == "GPTQ(2)" and ooc_label == "GPTQ(3,2,0.2,0.5) per-row"
     cfg = low.config()
     assert (cfg["bits"], cfg["group_size"], cfg["act_order"], cfg["static_groups"], cfg["clip_search"]) == (
-        2, 32, False, False, False)
+        2, 32, True, True, True)  # the default GPTQ, as the OOC method's inner GPTQ
+    textbook = make_method("ooc", low_bits=2, act_order=False, static_groups=False, clip_search=False)
+    cfg = ooc_flows(textbook)[0][1].config()
+    assert (cfg["act_order"], cfg["static_groups"], cfg["clip_search"]) == (False, False, False)
 
 
 def test_run_flows_keeps_the_lower_validation_loss_and_matches_standalone_runs():

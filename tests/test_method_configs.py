@@ -22,11 +22,13 @@ NON_DEFAULT = {
     "rtn": {"bits": 3, "group_size": 64, "sym": True, "clip_search": True},
     "gptq": {"bits": 3, "group_size": -1, "sym": True, "damp": 0.05, "act_order": False, "static_groups": False,
              "block_size": 64, "clip_search": False},
-    "bcq": {"bits": 1, "group_size": 32, "offset": True, "rounds": 0},
-    "squeezellm": {"bits": 4, "sensitivity": "none"},
-    "anyprec": {"seed_bits": 2, "parent_bits": 5, "sensitivity": "fisher"},
+    "bcq": {"bits": 1, "group_size": 32, "offset": True, "solver": "weight", "rounds": 0, "refits": 2,
+            "init": "uniform", "damp": 0.05, "act_order": False, "block_size": 64, "clip_search": False},
+    "squeezellm": {"bits": 4, "sensitivity": "none", "table_refit": "output"},
+    "anyprec": {"seed_bits": 2, "parent_bits": 5, "sensitivity": "fisher", "table_refit": "none"},
     "ooc": {"low_bits": 3, "high_bits": 4, "clear_fraction": 0.25, "scan": 0.0, "group_size": 32, "sym": True,
-            "damp": 0.1, "per_row": True, "block_size": 32},
+            "damp": 0.1, "per_row": True, "block_size": 32, "act_order": False, "static_groups": False,
+            "clip_search": False},
 }
 
 
@@ -121,7 +123,8 @@ def test_make_method_from_a_config():
 
 def test_recorded_settings_keep_their_order_and_fixed_values():
     assert list(make_method("ooc").config()) == ["low_bits", "high_bits", "clear_fraction", "scan", "group_size",
-                                                 "sym", "damp", "per_row", "block_size", "impl"]
+                                                 "sym", "damp", "per_row", "block_size", "act_order",
+                                                 "static_groups", "clip_search", "impl"]
     assert make_method("ooc").config()["impl"] == "batch"
     assert list(make_method("anyprec").config())[-2:] == ["upscale", "level_weights"]
     assert make_method("anyprec").config()["upscale"] == "split"

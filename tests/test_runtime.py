@@ -25,7 +25,8 @@ SPECS = {
     "rtn-bcq": ("rtn", {"bits": 3, "group_size": 32}, "bcq", "bcq"),
     "gptq": ("gptq", {"bits": 3, "group_size": 32}, None, "uniform"),
     "bcq": ("bcq", {"bits": 3, "group_size": 32}, None, "bcq"),
-    "ooc": ("ooc", {"group_size": 32}, None, "ooc"),
+    # the textbook inner GPTQ: on this tiny model every matrix then keeps an odd group (the ooc format)
+    "ooc": ("ooc", {"group_size": 32, "act_order": False, "static_groups": False, "clip_search": False}, None, "ooc"),
     "anyprec": ("anyprec", {"seed_bits": 2, "parent_bits": 4}, None, "anyprec"),
 }
 

@@ -11,12 +11,14 @@ QUANTKIT_KERNEL_CACHE), so a changed source never reuses a stale build and an un
 per machine. The hash covers those units, every header in SOURCE_DIR (*.h, *.cuh), the flags and the GPU
 architectures built for (TORCH_CUDA_ARCH_LIST, else the visible GPUs'), so a cache shared with another GPU
 model does not hand back a build without this GPU's code (the kernels' sm_90 paths, kernels/overlap.py).
-It returns None, with one warning saying why, when CUDA is absent, QUANTKIT_NO_KERNELS=1 is set, or the
-build fails: the caller then uses its PyTorch path.
+It returns None, with one warning saying why, when CUDA is absent, QUANTKIT_NO_KERNELS=1 (or =cuda) is set,
+or the build fails: the caller then uses its PyTorch path.
 
 `load_cpu("anyprec_cpu")` does the same for a CPU-only extension (CPU_SOURCES; OpenMP, no CUDA needed),
 cached under <name>-cpu-<hash>. It is built with plain -O3 (no -march=native, so a build cached on one CPU
 still runs on another) and returns None, warned once, on failure or with QUANTKIT_NO_KERNELS=1.
+QUANTKIT_NO_KERNELS=cuda turns off the CUDA extensions only: runs that must not wait for a first CUDA build
+(many benchmark processes on a fresh machine) keep the CPU extension, whose exact k-means changes results.
 """
 
 import hashlib
@@ -70,9 +72,13 @@ def sources_digest() -> str:
     return digest.hexdigest()
 
 
+def _cuda_off():
+    return os.environ.get("QUANTKIT_NO_KERNELS") in ("1", "cuda")
+
+
 def unavailable_reason(name):
-    if os.environ.get("QUANTKIT_NO_KERNELS") == "1":
-        return "QUANTKIT_NO_KERNELS=1"
+    if _cuda_off():
+        return f"QUANTKIT_NO_KERNELS={os.environ['QUANTKIT_NO_KERNELS']}"
     if not torch.cuda.is_available():
         return "CUDA is not available"
     if not sources_for(name):
@@ -126,7 +132,7 @@ def load(name, verbose=False):
     reason = unavailable_reason(name)
     if reason is not None:
         _loaded[name] = None
-        if torch.cuda.is_available() and os.environ.get("QUANTKIT_NO_KERNELS") != "1":
+        if torch.cuda.is_available() and not _cuda_off():
             warnings.warn(f"quantkit kernel {name!r} unavailable ({reason}); using the PyTorch path", stacklevel=2)
         return None
     flags = CUDA_FLAGS

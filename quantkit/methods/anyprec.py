@@ -7,7 +7,9 @@ the weighted means of the b-bit clusters (the optimal centroids for the nested a
 anyprec tensor: parent_bits bitplanes + one LUT per width in seed..parent. Vectorised over rows.
 
 When the C++ extension builds (kmeans_native.py) it does all of this instead, with an exact k-means seed
-and the same exact splits; without it the torch path below runs.
+and the same exact splits; without it the torch path below runs. Then, by default (table_refit "output"),
+every width's table is refitted to the calibration output error with its codes fixed (table_refit.py):
+the splits cannot move the coarser cuts, but each width's table can follow the output error for free.
 """
 
 from quantkit.formats.anyprec import AnyPrecisionTensor
@@ -15,7 +17,7 @@ from quantkit.methods.base import Method, register_method
 from quantkit.methods.configs import AnyPrecisionConfig
 from quantkit.methods.kmeans import split_runs
 from quantkit.methods.kmeans_native import native_anyprec
-from quantkit.methods.squeezellm import seed_clusters, sensitivity_stats, sensitivity_weights
+from quantkit.methods.squeezellm import refit_stats, refit_tables, seed_clusters, sensitivity_weights
 
 
 def upscale(sr, starts, centroids, seed_bits, parent_bits):
@@ -34,17 +36,22 @@ class AnyPrecision(Method):
 
     @property
     def stats(self):
-        return sensitivity_stats(self.sensitivity)
+        return refit_stats(self.sensitivity, self.table_refit)
 
     def quantize(self, weight, stats):
         sens = sensitivity_weights(weight, stats, self.sensitivity)
         native = native_anyprec(weight, sens, self.seed_bits, self.parent_bits)
         if native is not None:
-            qt = AnyPrecisionTensor.from_codes(native.codes, native.luts, self.seed_bits, self.parent_bits)
-            return qt, {"seed_weighted_sse": native.sse[self.seed_bits].sum().item(),
-                        "parent_weighted_sse": native.sse[self.parent_bits].sum().item()}
-        sr, starts, centroids = seed_clusters(weight, sens, self.seed_bits)
-        seed_sse = sr.run_sse(starts).sum().item()
-        starts, luts = upscale(sr, starts, centroids, self.seed_bits, self.parent_bits)
-        qt = AnyPrecisionTensor.from_codes(sr.codes(starts), luts, self.seed_bits, self.parent_bits)
-        return qt, {"seed_weighted_sse": seed_sse, "parent_weighted_sse": sr.run_sse(starts).sum().item()}
+            codes, luts = native.codes, native.luts
+            info = {"seed_weighted_sse": native.sse[self.seed_bits].sum().item(),
+                    "parent_weighted_sse": native.sse[self.parent_bits].sum().item()}
+        else:
+            sr, starts, centroids = seed_clusters(weight, sens, self.seed_bits)
+            seed_sse = sr.run_sse(starts).sum().item()
+            starts, luts = upscale(sr, starts, centroids, self.seed_bits, self.parent_bits)
+            codes = sr.codes(starts)
+            info = {"seed_weighted_sse": seed_sse, "parent_weighted_sse": sr.run_sse(starts).sum().item()}
+        if self.table_refit == "output":
+            luts, rows = refit_tables(weight, codes, luts, self.parent_bits, stats)
+            info["table_refit_rows"] = rows
+        return AnyPrecisionTensor.from_codes(codes, luts, self.seed_bits, self.parent_bits), info

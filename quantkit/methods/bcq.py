@@ -1,9 +1,11 @@
 """Group-wise binary-coding quantization (nuQmm §III.A, LUT-GEMM §3.3).
 
-Per group of g consecutive input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z) minimising ‖w − ŵ‖²
-(nuQmm eq. 1).
+Per group of g consecutive input weights of a row, w ≈ Σ_{i<q} α_i·b_i (+ z). Two solvers:
+  output (default): minimises the calibration output error inside GPTQ's column sweep
+      (methods/bcq_output.py);
+  weight: minimises ‖w − ŵ‖² (nuQmm eq. 1), below.
 
-Solver (Xu et al., 2018): greedy initialisation (z = group mean if offset; then for i = 1..q:
+Weight-error solver (Xu et al., 2018): greedy initialisation (z = group mean if offset; then for i = 1..q:
 b_i = sign(r), α_i = mean|r|, r −= α_i·b_i), then alternating rounds:
   1. given the codes B, solve [α; z] by least squares (per-group normal equations BᵀB x = Bᵀw);
   2. given α and z, give each weight the nearest of the 2^q representable values Σ α_i·s_i + z.
@@ -21,7 +23,9 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.bcq import BCQQuantizedTensor
 from quantkit.formats.uniform import num_groups
 from quantkit.methods.base import Method, effective_group_size, register_method
+from quantkit.methods.bcq_output import output_bcq_fit
 from quantkit.methods.configs import BCQConfig
+from quantkit.methods.gptq import inverse_cholesky, prepare_hessian
 
 _STOP_REL = 1e-6  # a round that lowers the error by less than this fraction ends the solve
 _RIDGE = 1e-9  # relative ridge (fp64 solve): keeps the normal equations solvable when planes coincide
@@ -137,14 +141,51 @@ def bcq_fit(weight, bits, group_size, offset=False, rounds=15) -> BCQFit:
                   error=final, norm=(weight.to(torch.float32) ** 2).sum().item())
 
 
+def weight_start(bits, group_size, offset, rounds):
+    """w -> (α, z, value indices) of the weight-error fit: the output-aware solver's other start."""
+
+    def fit(weight):
+        f = bcq_fit(weight, bits, group_size, offset, rounds)
+        shifts = torch.arange(bits, device=weight.device)[:, None, None]
+        idx = (f.signs.to(torch.int64) << shifts).sum(dim=0)
+        z = f.offset if offset else torch.zeros_like(f.alpha[..., 0])
+        return f.alpha, z, idx
+
+    return fit
+
+
 @register_method(BCQConfig)
 class BCQ(Method):
     output_format = "bcq"  # what quantize() returns; the pipeline refuses --format uniform for it
 
+    @property
+    def stats(self):
+        return ("hessian",) if self.solver == "output" else ()
+
     def quantize(self, weight, stats):
+        if self.solver == "output":
+            return self._quantize_output(weight, stats)
         fit = bcq_fit(weight, self.bits, self.group_size, self.offset, self.rounds)
         qt = BCQQuantizedTensor.from_signs(fit.signs, fit.alpha, fit.offset, fit.group_size)
         norm = max(fit.norm, 1e-30)
         # errors relative to ‖W‖²: greedy start, and the stored result
         return qt, {"bcq_rounds": len(fit.history) - 1, "bcq_greedy_error": fit.history[0] / norm,
                     "bcq_error": fit.error / norm}
+
+    def _quantize_output(self, weight, stats):
+        if not torch.isfinite(weight).all():
+            raise QuantkitError("BCQ: the weight contains NaN or Inf")
+        h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
+        perm, hp = None, h
+        if self.act_order:  # stable sort: the same order on every device, as gptq
+            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+            hp = h[perm][:, perm]
+        u, damp = inverse_cholesky(hp, float(self.damp))
+        fit = output_bcq_fit(w, h, u, perm, self.bits, self.group_size, self.offset, self.block_size, self.refits,
+                             self.clip_search, self.init, weight_start(self.bits, self.group_size, self.offset,
+                                                                       self.rounds))
+        qt = BCQQuantizedTensor.from_signs(fit.signs, fit.alpha, fit.offset, fit.group_size)
+        norm = max(fit.norm, 1e-30)
+        # output errors relative to tr(W H Wᵀ): after the start's first sweep, and the stored result
+        return qt, {"damp": damp, "bcq_start": fit.start, "bcq_rounds": len(fit.history) - 1,
+                    "bcq_start_output_error": fit.history[0] / norm, "bcq_output_error": fit.error / norm}

@@ -54,6 +54,14 @@ def _damp():
                         "fails.", 0, 1, low_open=True)
 
 
+def _act_order():
+    return flag(True, "Quantize columns in order of descending Hessian diagonal.")
+
+
+def _static_groups():
+    return flag(True, "Group scales/zeros from the original weights up front; no g_idx with --act-order.")
+
+
 def _block_size():
     return integer(128, "Columns per lazy-update block.", 1)
 
@@ -62,6 +70,11 @@ def _sensitivity():
     return choice("activation", "k-means weight of each weight: diag of XᵀX of its input (activation), Σ grad² of "
                                 "the LM loss over the calibration windows (fisher, one whole-model backward per "
                                 "window), or none.", SENSITIVITIES)
+
+
+def _table_refit(default):
+    return choice(default, "Refit every width's lookup table, codes fixed, to the calibration output error ‖(W-Ŵ)X‖² "
+                           "(output; needs calibration data) or keep the k-means tables (none).", ("output", "none"))
 
 
 # ---- the methods ---------------------------------------------------------------------------------------
@@ -88,9 +101,8 @@ class GPTQConfig(MethodConfig):
     damp: float = _damp()
     # act-order + static groups + clipping search by default: on SmolLM2 this is the setting that beats RTN
     # at 4 bits and wins most at 3 (RESULTS.md, GPTQ); turn them off for the textbook algorithm
-    act_order: bool = flag(True, "Quantize columns in order of descending Hessian diagonal.")
-    static_groups: bool = flag(True, "Group scales/zeros from the original weights up front; no g_idx with "
-                                     "--act-order.")
+    act_order: bool = _act_order()
+    static_groups: bool = _static_groups()
     block_size: int = _block_size()
     clip_search: bool = _clip_search(True)
 
@@ -103,8 +115,22 @@ class BCQConfig(MethodConfig):
     bits: int = _bits(3, low=1)
     group_size: int = _group_size()
     offset: bool = flag(False, "Also fit an fp16 offset z per group (w ≈ Σ αᵢbᵢ + z).")
-    rounds: int = integer(15, "Alternating least-squares rounds after the greedy start; stops early once the "
-                              "error stops falling.", 0)
+    # output by default: the weight-error fit clips the group extremes SmolLM2 depends on (docs/quality-methods.md)
+    solver: str = choice("output", "Objective of the fit: the calibration output error ‖(W-Ŵ)X‖² (output: codes "
+                                   "chosen in GPTQ's column sweep, α/z refitted by least squares; needs calibration "
+                                   "data) or the weight error ‖W-Ŵ‖² (weight: alternating least squares).",
+                         ("output", "weight"))
+    rounds: int = integer(15, "Alternating least-squares rounds of the weight-error fit after the greedy start; stops "
+                              "early once the error stops falling.", 0)
+    refits: int = integer(4, "Output solver: rounds of (refit α/z on the output error, re-sweep the codes), each "
+                             "kept per row only where it lowers the error.", 0)
+    init: str = choice("best", "Output solver start: the clip-searched uniform grid of the default GPTQ "
+                                  "(uniform), the weight-error fit (weight), or both with the better kept per row "
+                                  "(best).", ("uniform", "weight", "best"))
+    damp: float = _damp()
+    act_order: bool = _act_order()
+    block_size: int = _block_size()
+    clip_search: bool = _clip_search(True)
 
 
 @register_config("squeezellm")
@@ -114,6 +140,7 @@ class SqueezeLLMConfig(MethodConfig):
 
     bits: int = _bits(3)
     sensitivity: str = _sensitivity()
+    table_refit: str = _table_refit("none")  # off: the independent k-means baseline any-precision is held to
 
 
 @register_config("anyprec")
@@ -124,6 +151,7 @@ class AnyPrecisionConfig(MethodConfig):
     seed_bits: int = integer(3, "Bits of the SqueezeLLM seed model.", 1, 8)
     parent_bits: int = integer(8, "Bits of the parent model, upscaled from the seed.", 1, 8)
     sensitivity: str = _sensitivity()
+    table_refit: str = _table_refit("output")
     # recorded, not chosen: every anyprec artifact stores how it was upscaled, so these keys stay to keep the
     # quantization_config unchanged; split (each cluster cut at its exact 2-means point, the paper's rule) is
     # the only rule, and level_weights (a parameter of another rule) is always None
@@ -150,6 +178,11 @@ class OOCConfig(MethodConfig):
     damp: float = _damp()
     per_row: bool = flag(False, "Choose the odd group per output row instead of per matrix.")
     block_size: int = _block_size()
+    # the inner GPTQ is quantkit's default GPTQ (act-order, static groups, clip search; RESULTS.md, GPTQ): the
+    # textbook one it was first built on leaves every 2-bit SmolLM2 model unusable (docs/quality-methods.md)
+    act_order: bool = _act_order()
+    static_groups: bool = _static_groups()
+    clip_search: bool = _clip_search(True)
     # recorded, not chosen: every ooc artifact stores how its candidates ran, so the key stays to keep the
     # quantization_config unchanged; they always run batched (p-OOC-Batch; one after another gives the same
     # codes and is only measured, benchmarks/ooc_naive.py)
@@ -158,3 +191,6 @@ class OOCConfig(MethodConfig):
     def check(self):
         if self.high_bits < self.low_bits:
             raise QuantkitError(f"--high-bits ({self.high_bits}) must be at least --low-bits ({self.low_bits})")
+        if self.act_order and not self.static_groups:
+            raise QuantkitError("--act-order needs --static-groups for ooc (its format has no g_idx); "
+                                "add --static-groups or --no-act-order")

@@ -6,15 +6,19 @@ under their own scale/zero (k-OOC paper, sections 3.2-3.3, algorithm 1).
 For a [k, d] weight with H = 2·XᵀX/n (prepare_hessian):
   1. salient score per column S(i) = H_ii·Σ_j W_ji²; group score = Σ over the group's columns;
   2. candidates = the top ⌈s·⌈d/g⌉⌉ groups by score (s = 0: no candidates, the result *is*
-     GPTQ(l), returned in the uniform format); groups narrower than n = round(p·g) columns (a
+     GPTQ(l) with the same settings, returned in the uniform format); groups narrower than n = round(p·g) columns (a
      short partial last group) are never candidates;
   3. the clear columns of a candidate group are its n columns with the highest S(i) (ties: lower
      column first). Salience is the paper's column metric (section 2); it is known before any
      quantization, so the clear set is fixed per candidate and stored once per matrix, not per row;
-  4. each candidate runs GPTQ (plain: no act-order, groups from the current weights when a group
-     starts, no clipping search) in which, when the odd group starts, the low scale/zero come from
-     its non-clear columns and the high (h-bit) scale/zero from its clear columns; every column
-     is quantized with its own tier's parameters and the OBS error feedback is unchanged;
+  4. each candidate runs the GPTQ of the method's settings, by default quantkit's default GPTQ
+     (act-order, static groups, clip search), in which the odd group's low scale/zero come from its
+     non-clear columns and its high (h-bit) scale/zero from its clear columns (the other tier's
+     columns zeroed; the range always contains 0, so that changes neither range nor clip error):
+     with static groups from the original weights up front (ooc_gptq_static), with dynamic groups
+     from the current weights when the group starts (ooc_gptq, the textbook GPTQ of the paper with
+     --no-act-order --no-static-groups --no-clip-search). Every column is quantized with its own
+     tier's parameters and the OBS error feedback is unchanged;
   5. the probe loss of a result is L = ‖X ΔWᵀ‖² = tr(ΔW·XᵀX·ΔWᵀ) with ΔW = W - W_q and XᵀX the
      *calibration* Gram the engine gathered (the engine gives no held-out probe; the paper probes
      one calibration window, we use all of them). Plain GPTQ(l) competes too: per matrix the
@@ -25,8 +29,10 @@ For a [k, d] weight with H = 2·XᵀX/n (prepare_hessian):
      l-bit codes, re-based into the h-bit slot under the group's own scale (needs h ≥ l).
 
 The candidates run as p-OOC-Batch (the paper's selection parallel): their copies are stacked [c, k, d]
-and one column loop updates all of them with batched tensor ops (on CUDA the fused kernel of
-kernels/gptq_cuda.py). The two-flow ensemble OOC(h,l,p,s) is quantkit/ensemble.py.
+and one column loop updates all of them with batched tensor ops. On CUDA the fused kernel of
+kernels/gptq_cuda.py runs the dynamic-group loop without clip search; static groups and clip search run
+the PyTorch loops on the device (the kernel takes neither together with clear columns). The two-flow
+ensemble OOC(h,l,p,s) is quantkit/ensemble.py.
 """
 
 import math
@@ -68,17 +74,20 @@ def select_candidates(h, w, g, scan, n_clear):
     return chosen, torch.stack(cols)
 
 
-def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128):
-    """Plain GPTQ on a stack of candidate copies w [c, k, d] (fp32/fp64), where candidate m quantizes
-    the columns with clear_mask[m] (all in one group) at high_bits under their own scale/zero.
+def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128, clip_search=False):
+    """GPTQ with dynamic groups on a stack of candidate copies w [c, k, d] (fp32/fp64), where candidate m
+    quantizes the columns with clear_mask[m] (all in one group) at high_bits under their own scale/zero.
 
     Returns (codes [c, k, d] int64 — h-bit codes at clear columns, l-bit elsewhere —, scales and zeros
     [c, k, G] of the low tier, hscales and hzeros [c, k] of the high tier, dequantized weight [c, k, d]).
     A candidate with an empty mask is exactly gptq_quantize's GPTQ(l) (act_order/static groups off).
     """
     # on CUDA the fused kernel runs the candidates, forking them from a shared GPTQ(l) run and chunking
-    # them by free memory (kernels/gptq_cuda.py); None = run the loop below
-    fused = gptq_cuda.ooc_columns(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size) if w.is_cuda else None
+    # them by free memory (kernels/gptq_cuda.py); None = run the loop below. The kernel has no clip search
+    # with clear columns, so that setting runs the loop.
+    fused = None
+    if w.is_cuda and not clip_search:
+        fused = gptq_cuda.ooc_columns(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size)
     if fused is not None:
         return fused
     c, k, d = w.shape
@@ -109,12 +118,14 @@ def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128):
                     cur = torch.cat([cur, rest], dim=2)
                 width = cur.shape[2]
                 mask = clear_mask[:, None, col_index : col_index + width]
-                # the range always contains 0, so zeroing the other tier's columns leaves it unchanged
-                s, z = uniform_params(cur.masked_fill(mask, 0).reshape(c * k, width), low_bits, sym)
+                # the range always contains 0, so zeroing the other tier's columns leaves it unchanged (and
+                # 0 is on every grid, so it adds nothing to the clip search's error either)
+                s, z = uniform_params(cur.masked_fill(mask, 0).reshape(c * k, width), low_bits, sym, clip_search)
                 scales[:, :, j], zeros[:, :, j] = s.reshape(c, k), z.reshape(c, k)
                 odd = clear_mask[:, col_index : col_index + width].any(dim=1)
                 if odd.any():
-                    sh, zh = uniform_params(cur[odd].masked_fill(~mask[odd], 0).reshape(-1, width), high_bits, sym)
+                    sh, zh = uniform_params(cur[odd].masked_fill(~mask[odd], 0).reshape(-1, width), high_bits, sym,
+                                            clip_search)
                     hscales[odd], hzeros[odd] = sh.reshape(-1, k), zh.reshape(-1, k)
             is_clear = clear_mask[:, col_index, None]
             s = torch.where(is_clear, hscales, scales[:, :, j])
@@ -131,6 +142,73 @@ def ooc_gptq(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128):
     return codes, scales, zeros, hscales, hzeros, dq
 
 
+def static_tier_params(w, low_bits, high_bits, g, sym, clear_mask, clip_search):
+    """Static groups: both tiers' params of every candidate from the original weights w [k, d], up front
+    (as gptq_quantize's static groups). Returns scales, zeros [c, k, G] and hscales, hzeros [c, k]: every
+    group as in GPTQ(l) but the candidate's odd group, whose low params come from its non-clear columns
+    and whose high params from its clear columns (the other tier's columns zeroed, as in ooc_gptq)."""
+    c, d = clear_mask.shape
+    k = w.shape[0]
+    groups = num_groups(d, g)
+    base = [uniform_params(w[:, j * g : (j + 1) * g], low_bits, sym, clip_search) for j in range(groups)]
+    scales = torch.stack([s for s, _ in base], dim=1).expand(c, k, groups).clone()
+    zeros = torch.stack([z for _, z in base], dim=1).expand(c, k, groups).clone()
+    hscales = torch.ones(c, k, dtype=w.dtype, device=w.device)
+    hzeros = torch.zeros_like(hscales)
+    for m in range(c):
+        cols = clear_mask[m].nonzero().flatten()
+        if cols.numel() == 0:
+            continue
+        j = int(cols[0]) // g
+        cur, mask = w[:, j * g : (j + 1) * g], clear_mask[m, None, j * g : (j + 1) * g]
+        scales[m, :, j], zeros[m, :, j] = uniform_params(cur.masked_fill(mask, 0), low_bits, sym, clip_search)
+        hscales[m], hzeros[m] = uniform_params(cur.masked_fill(~mask, 0), high_bits, sym, clip_search)
+    return scales, zeros, hscales, hzeros
+
+
+def ooc_gptq_static(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_size=128, perm=None, clip_search=False):
+    """ooc_gptq with static groups (and act-order when perm is given): candidate m of w [k, d] (original
+    column order; h_inv already permuted) runs GPTQ with every column's tier params known up front
+    (static_tier_params), columns in the order perm. Same results as ooc_gptq, in original column order.
+    A candidate with an empty mask is exactly gptq_quantize's GPTQ(l) with the same settings: the loop
+    below is its static-group loop on the candidates' stacked rows [c·k, d]."""
+    c, d = clear_mask.shape
+    k = w.shape[0]
+    scales, zeros, hscales, hzeros = static_tier_params(w, low_bits, high_bits, g, sym, clear_mask, clip_search)
+    order = torch.arange(d, device=w.device) if perm is None else perm
+    clear = clear_mask[:, order]  # [c, d] in processing order
+    col_group = (order // g).tolist()
+    maxq = torch.where(clear, 2**high_bits - 1, 2**low_bits - 1).to(w.dtype)
+    work = w[:, order].expand(c, k, d).reshape(c * k, d).clone()
+    codes = torch.empty(c, k, d, dtype=torch.int64, device=w.device)
+    dq = torch.empty(c, k, d, dtype=w.dtype, device=w.device)
+    for i1 in range(0, d, block_size):
+        i2 = min(i1 + block_size, d)
+        w1 = work[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = h_inv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col_index = i1 + i
+            j = col_group[col_index]
+            is_clear = clear[:, col_index, None]
+            s = torch.where(is_clear, hscales, scales[:, :, j]).reshape(c * k)
+            z = torch.where(is_clear, hzeros, zeros[:, :, j]).reshape(c * k)
+            top = maxq[:, col_index, None].expand(c, k).reshape(c * k)
+            col = w1[:, i]
+            q = torch.minimum(torch.clamp(torch.round(col / s) + z, min=0), top)
+            codes[:, :, col_index] = q.to(torch.int64).reshape(c, k)
+            deq = (q - z) * s
+            dq[:, :, col_index] = deq.reshape(c, k)
+            e = (col - deq) / u1[i, i]
+            w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
+            err1[:, i] = e
+        work[:, i2:].addmm_(err1, h_inv[i1:i2, i2:], alpha=-1)
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes, dq = codes[:, :, inv], dq[:, :, inv]
+    return codes, scales, zeros, hscales, hzeros, dq
+
+
 def row_losses(weight, dq, gram):
     """ΔW_r·XᵀX·ΔW_rᵀ per row: [..., k] for dq [..., k, d]."""
     delta = weight - dq
@@ -141,18 +219,27 @@ def row_losses(weight, dq, gram):
 class OOC(Method):
     stats = ("hessian",)
 
-    def run_candidates(self, w, h_inv, g, clear_mask):
-        """ooc_gptq's results for every candidate (clear_mask [c, d]), all at once from the shared w [k, d]."""
+    def run_candidates(self, w, h_inv, g, clear_mask, perm=None):
+        """The results of every candidate (clear_mask [c, d]), all at once from the shared w [k, d]: ooc_gptq
+        (dynamic groups), or ooc_gptq_static (static groups, act-order when perm is given)."""
+        if self.static_groups:
+            return ooc_gptq_static(w, h_inv, self.low_bits, self.high_bits, g, self.sym, clear_mask, self.block_size,
+                                   perm, self.clip_search)
         return ooc_gptq(w.expand(clear_mask.shape[0], -1, -1), h_inv, self.low_bits, self.high_bits, g, self.sym,
-                        clear_mask, self.block_size)
+                        clear_mask, self.block_size, self.clip_search)
 
     def quantize(self, weight, stats):
         k, d = weight.shape
         g = effective_group_size(self.group_size, d)
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
-        h_inv, damp = inverse_cholesky(h, float(self.damp))
+        perm, h_work = None, h
+        if self.act_order:  # as gptq: stable sort, the same order on every device
+            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+            h_work = h[perm][:, perm]
+        h_inv, damp = inverse_cholesky(h_work, float(self.damp))
         codes, scales, zeros, _, loss = gptq_quantize(w, h_inv, self.low_bits, self.group_size, self.sym,
-                                                      block_size=self.block_size)
+                                                      self.act_order, self.static_groups, self.block_size, perm,
+                                                      self.clip_search)
         base = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.low_bits, g, self.sym)
         info = {"damp": damp, "gptq_loss": loss.item()}
         n = clear_count(self.clear_fraction, g)
@@ -165,7 +252,7 @@ class OOC(Method):
         base_dq = base.dequantize(weight.dtype)
         clear_mask = torch.zeros(len(cand_groups), d, dtype=torch.bool, device=weight.device)
         clear_mask.scatter_(1, cand_cols, True)
-        c_codes, c_scales, c_zeros, c_hs, c_hz, c_dq = self.run_candidates(w, h_inv, g, clear_mask)
+        c_codes, c_scales, c_zeros, c_hs, c_hz, c_dq = self.run_candidates(w, h_inv, g, clear_mask, perm)
         losses = torch.cat([row_losses(weight, base_dq, gram)[None], row_losses(weight, c_dq, gram)])  # [1+c, k]
         totals = losses.sum(dim=1)
         info.update({"ooc_candidates": cand_groups, "probe_loss_gptq": totals[0].item(),

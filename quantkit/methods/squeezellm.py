@@ -5,6 +5,9 @@ kmeans_native.py when it builds; else the torch heuristic
 of kmeans.py); stored as a per-row fp16 lookup table plus b-bit codes in the any-precision bitplane
 format with seed == parent == b (formats/anyprec.py).
 
+With table_refit "output" each table is then refitted to the calibration output error, codes fixed
+(table_refit.py).
+
 Sensitivity (the k-means weight of every element of W):
   "activation"  diag(Σ xᵀx) of the layer input, broadcast over the rows (stats "hessian"); cheap,
                 gathered by the engine like GPTQ's Hessian.
@@ -22,6 +25,7 @@ from quantkit.methods.base import Method, register_method
 from quantkit.methods.configs import SENSITIVITIES, SqueezeLLMConfig
 from quantkit.methods.kmeans import SortedRows, kmeans_runs
 from quantkit.methods.kmeans_native import native_anyprec
+from quantkit.methods.table_refit import refit_table
 
 
 def sensitivity_weights(weight: torch.Tensor, stats, kind: str) -> torch.Tensor:
@@ -55,20 +59,40 @@ def sensitivity_stats(kind):
     return {"none": (), "activation": ("hessian",), "fisher": ("hessian", "fisher")}[kind]
 
 
+def refit_stats(kind, table_refit):
+    """The statistics for a sensitivity and a table refit (the output refit needs the Hessian)."""
+    stats = sensitivity_stats(kind)
+    return stats if table_refit == "none" or "hessian" in stats else ("hessian", *stats)
+
+
+def refit_tables(weight, codes, luts, parent_bits, stats):
+    """Output-aware refit (table_refit.py) of every width's table {b: [k, 2^b]} of the parent codes [k, d];
+    returns (new tables, {b: rows refitted})."""
+    out, rows = {}, {}
+    for b, lut in luts.items():
+        out[b], better = refit_table(weight, codes >> (parent_bits - b), lut, stats["xtx"])
+        rows[b] = int(better.sum())
+    return out, rows
+
+
 @register_method(SqueezeLLMConfig)
 class SqueezeLLM(Method):
     output_format = "anyprec"
 
     @property
     def stats(self):
-        return sensitivity_stats(self.sensitivity)
+        return refit_stats(self.sensitivity, self.table_refit)
 
     def quantize(self, weight, stats):
         sens = sensitivity_weights(weight, stats, self.sensitivity)
         native = native_anyprec(weight, sens, self.bits, self.bits)  # exact k-means; None without the extension
         if native is not None:
-            qt = AnyPrecisionTensor.from_codes(native.codes, native.luts, self.bits, self.bits)
-            return qt, {"weighted_sse": native.sse[self.bits].sum().item()}
-        sr, starts, centroids = seed_clusters(weight, sens, self.bits)
-        qt = AnyPrecisionTensor.from_codes(sr.codes(starts), {self.bits: centroids}, self.bits, self.bits)
-        return qt, {"weighted_sse": sr.run_sse(starts).sum().item()}
+            codes, luts, info = native.codes, native.luts, {"weighted_sse": native.sse[self.bits].sum().item()}
+        else:
+            sr, starts, centroids = seed_clusters(weight, sens, self.bits)
+            codes, luts = sr.codes(starts), {self.bits: centroids}
+            info = {"weighted_sse": sr.run_sse(starts).sum().item()}
+        if self.table_refit == "output":
+            luts, rows = refit_tables(weight, codes, luts, self.bits, stats)
+            info["table_refit_rows"] = rows[self.bits]
+        return AnyPrecisionTensor.from_codes(codes, luts, self.bits, self.bits), info

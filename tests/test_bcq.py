@@ -229,11 +229,11 @@ def test_tiny_llama_output_bcq_through_the_engine():
     model = _tiny_llama()
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     method = make_method("bcq", bits=3, group_size=32, offset=True)
-    qtensors, entries = quantize_model(model, adapter_for(model.config), method, calib, progress=False)
+    qtensors, entries = quantize_model(model, adapter_for(model), method, calib, progress=False)
     assert all(qt.format_name == "bcq" for qt in qtensors.values()) and len(qtensors) == 14
     assert all(e["bcq_output_error"] <= e["bcq_start_output_error"] for e in entries)
     with pytest.raises(QuantkitError, match="calibration"):
-        quantize_model(_tiny_llama(), adapter_for(model.config), method, None, progress=False)
+        quantize_model(_tiny_llama(), adapter_for(model), method, None, progress=False)
 
 
 # ---- the stored layout --------------------------------------------------------------------------

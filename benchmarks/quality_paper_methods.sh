@@ -13,9 +13,14 @@
 # the GPU (the GPTQ column loop included, so GPTQ and the BCQ sweep are timed alike) and evaluation runs the
 # reference dequantize + matmul, which the kernels are held to. The CPU extension (exact k-means of
 # SqueezeLLM and any-precision) is built once, before the processes start.
+# SET=core runs only the GPTQ, output-aware BCQ and OOC rows (nine processes), for a machine with less time.
+# Each process gets QUANTKIT_THREADS host threads (default 1): seventeen processes with torch's default pool
+# on 16 cores spend their time waiting for each other.
 set -u
 [[ ${KERNELS:-0} == 1 ]] || export QUANTKIT_NO_KERNELS=cuda
+export QUANTKIT_THREADS=${QUANTKIT_THREADS:-1}
 python3 -c "from quantkit.methods import kmeans_native as k; print('CPU extension:', k.extension() is not None)"
+[[ ${KERNELS:-0} == 1 ]] && python3 -c "from quantkit.kernels import build; print('gptq extension:', build.load('gptq') is not None)"
 model=${MODEL:?set MODEL to the SmolLM2 gguf (e.g. stage/model.gguf) or a model dir}
 out=${OUT:?set OUT to the result directory}
 limit=${LIMIT:-420}
@@ -32,6 +37,15 @@ run() {
   pids+=($!)
 }
 # quick ones first in each process, so a process cut short still has them
+if [[ ${SET:-all} == core ]]; then
+  for q in 2 3 4; do
+    run "gptq$q" --config "gptq:$q:128"
+    run "bcq$q" --config "bcq:$q:128"
+  done
+  run bcq3-offset --config bcq:3:128:offset=true
+  run ooc2 --config ooc:-:128:low_bits=2,high_bits=2,clear_fraction=0.1,scan=0.1
+  run ooc3 --config ooc:-:128:low_bits=3,high_bits=3,clear_fraction=0.1,scan=0.1
+else
 run rtn --config rtn:3:128 --config rtn:4:128
 run gptq-a --config gptq:2:128 --config gptq:3:128 --config gptq:4:128
 run gptq-b --config gptq:2:64 --config gptq:3:64
@@ -52,6 +66,7 @@ run sq-refit --config squeezellm:3:-:sensitivity=fisher,table_refit=output \
   --config squeezellm:4:-:sensitivity=fisher,table_refit=output
 run ap --config "anyprec:-:-:sensitivity=fisher,eval_bits=3/4/5/6/7/8"
 run ap-norefit --config "anyprec:-:-:sensitivity=fisher,table_refit=none,eval_bits=3/4/5/6/7/8"
+fi
 for p in "${pids[@]}"; do wait "$p"; done
 python3 scripts/bench_quality.py --merge "$out"/q_*.json --json "$out/quality_merged.json" | tee "$out/quality_table.txt"
 if python3 -c "import matplotlib" 2>/dev/null; then

@@ -20,7 +20,12 @@ set -u
 [[ ${KERNELS:-0} == 1 ]] || export QUANTKIT_NO_KERNELS=cuda
 export QUANTKIT_THREADS=${QUANTKIT_THREADS:-1}
 python3 -c "from quantkit.methods import kmeans_native as k; print('CPU extension:', k.extension() is not None)"
-[[ ${KERNELS:-0} == 1 ]] && python3 -c "from quantkit.kernels import build; print('gptq extension:', build.load('gptq') is not None)"
+if [[ ${KERNELS:-0} == 1 ]]; then  # built once here, so that no process waits for another's build
+  for k in gptq lutgemm anyprec; do
+    python3 -c "from quantkit.kernels import build; print('$k extension:', build.load('$k') is not None)" &
+  done
+  wait
+fi
 model=${MODEL:?set MODEL to the SmolLM2 gguf (e.g. stage/model.gguf) or a model dir}
 out=${OUT:?set OUT to the result directory}
 limit=${LIMIT:-420}

@@ -13,7 +13,8 @@
 # the GPU (the GPTQ column loop included, so GPTQ and the BCQ sweep are timed alike) and evaluation runs the
 # reference dequantize + matmul, which the kernels are held to. The CPU extension (exact k-means of
 # SqueezeLLM and any-precision) is built once, before the processes start.
-# SET=core runs only the GPTQ, output-aware BCQ and OOC rows (nine processes), for a machine with less time.
+# SET=core runs only the GPTQ, output-aware BCQ and OOC rows (nine processes), SET=anyprec the upscaled family
+# and independent SqueezeLLM at 4..8 bits (six processes), for a machine with less time.
 # Each process gets QUANTKIT_THREADS host threads (default 1): seventeen processes with torch's default pool
 # on 16 cores spend their time waiting for each other.
 set -u
@@ -42,7 +43,10 @@ run() {
   pids+=($!)
 }
 # quick ones first in each process, so a process cut short still has them
-if [[ ${SET:-all} == core ]]; then
+if [[ ${SET:-all} == anyprec ]]; then  # the upscaled family against independent SqueezeLLM, one width a process
+  run ap --config "anyprec:-:-:sensitivity=fisher,eval_bits=3/4/5/6/7/8"
+  for q in 4 5 6 7 8; do run "sq$q" --config "squeezellm:$q:-:sensitivity=fisher"; done
+elif [[ ${SET:-all} == core ]]; then
   for q in 2 3 4; do
     run "gptq$q" --config "gptq:$q:128"
     run "bcq$q" --config "bcq:$q:128"

@@ -83,3 +83,34 @@ def test_clip_search_never_increases_the_rounding_error(sym):
 
     assert (err(searched) <= err(plain)).all()
     assert err(searched).sum() < 0.95 * err(plain).sum()
+
+
+def _grouped_cases():
+    """(device, k, d, g, batched): `batched` when the shape takes the batched path. On the CPU a group of
+    k·g elements not a multiple of 32 leaves pow a scalar tail, so such shapes run group by group."""
+    cases = [("cpu", 48, 200, 32, True), ("cpu", 64, 256, 32, True), ("cpu", 96, 1024, 128, True),
+             ("cpu", 300, 1000, 100, False), ("cpu", 320, 1000, 100, True), ("cpu", 17, 96, 16, False),
+             ("cpu", 37, 333, 24, False)]
+    if torch.cuda.is_available():  # the batched path needs GROUPED_MIN_ROWS rows on CUDA
+        cases += [("cuda", 576, 576, 128, True), ("cuda", 1024, 1536, 128, True), ("cuda", 4096, 11008, 128, True),
+                  ("cuda", 600, 1000, 100, True), ("cuda", 48, 200, 32, False)]
+    return cases
+
+
+@pytest.mark.parametrize("device,k,d,g,batched", _grouped_cases())
+@pytest.mark.parametrize("bits,sym", [(2, False), (3, False), (4, False), (4, True)])
+def test_grouped_params_equal_one_call_per_group(device, k, d, g, batched, bits, sym, monkeypatch):
+    from quantkit.formats import uniform
+
+    gen = torch.Generator().manual_seed(k * d + bits)
+    w = (torch.distributions.StudentT(3.0).sample((k, d)) * 0.02).to(device)  # heavy tails: clipping pays
+    w[:3, :g] = 0  # all-zero groups take the [-1, 1] range
+    w[5, :] = w[5, torch.randperm(d, generator=gen)[0]]  # constant rows
+    expected = [uniform.uniform_params(w[:, j : j + g], bits, sym, clip_search=True) for j in range(0, d, g)]
+    calls = []
+    single = uniform.uniform_params
+    monkeypatch.setattr(uniform, "uniform_params", lambda *a, **kw: calls.append(1) or single(*a, **kw))
+    scales, zeros = uniform.grouped_uniform_params(w, g, bits, sym, clip_search=True)
+    assert torch.equal(scales, torch.stack([s for s, _ in expected], 1))
+    assert torch.equal(zeros, torch.stack([z for _, z in expected], 1))
+    assert (len(calls) < uniform.num_groups(d, g)) == batched

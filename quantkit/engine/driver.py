@@ -6,7 +6,8 @@ its weight. With calibration the engine:
      is called with besides (masks, position embeddings: they may differ from layer to layer);
   2. for each layer, moves it to the device and, step by step in true-sequential order (the plan
      models.adapters learns by watching one forward), runs the layer with hooks that gather
-     statistics, quantizes the step's linears and puts their dequantized weights back; an expert of
+     statistics (a window's forward ends once the step's last hooked linear has run: nothing after
+     it feeds them), quantizes the step's linears and puts their dequantized weights back; an expert of
      a MoE block gathers statistics from the tokens routed to it (_ExpertCalibration states the rule
      for an expert routed too few);
   3. runs the quantized layer once more to produce the next layer's inputs, then moves it back.
@@ -140,14 +141,48 @@ def capture_layer_inputs(model, layers, calib_ids, device, store=None):
     return torch.cat(inputs), calls
 
 
-def _run_layer(layer, inputs, args, kwargs, keep_outputs=True, collectors=()):
+class _BlockDone(Exception):
+    pass
+
+
+class _StopAfter:
+    """Ends a block's forward (raises _BlockDone from a forward hook) as soon as every module of `modules`
+    has run in the current window: a statistics pass needs nothing the block computes after its last
+    hooked linear. A module that does not run in a window (an expert no token was routed to) lets the
+    forward finish. Register it after the collectors, so that their hooks on the same module run first."""
+
+    def __init__(self, modules):
+        self.pending = {id(m) for m in modules}
+        self.ran = set()
+        self.handles = [m.register_forward_hook(self._hook) for m in {id(m): m for m in modules}.values()]
+
+    def _hook(self, module, inputs, output):
+        self.ran.add(id(module))
+        if len(self.ran) == len(self.pending):
+            raise _BlockDone
+
+    def new_window(self):
+        self.ran.clear()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _run_layer(layer, inputs, args, kwargs, keep_outputs=True, collectors=(), stop=None):
     """Run `layer` on every window of `inputs` (one per forward, on the layer's device); returns the
     outputs where the inputs live, or None when only the hooks matter. Each collector is told when a
-    window ends (a routed expert's linear may not run at all in a window)."""
+    window ends (a routed expert's linear may not run at all in a window). `stop` (a _StopAfter, only
+    without outputs) may end a window's forward early."""
     device = next(layer.parameters()).device
     outputs = torch.empty_like(inputs) if keep_outputs else None
     for i in range(inputs.shape[0]):
-        out = layer(inputs[i : i + 1].to(device), *args, **kwargs)
+        if stop is not None:
+            stop.new_window()
+        try:
+            out = layer(inputs[i : i + 1].to(device), *args, **kwargs)
+        except _BlockDone:
+            out = None
         for collector in collectors:
             collector.end_window()
         if keep_outputs:
@@ -249,11 +284,14 @@ class _BlockPass:
         pass over every window; `experts` runs the experts `on_all` on every token meanwhile."""
         collectors = [InputGramCollector(self.linears[group[0]], self.shard_sizes, eager=self.ranks.is_main)
                       for group in groups]
+        stop = _StopAfter([self.linears[group[0]] for group in groups])
         if experts is not None:
             experts.calibrate_on_all_tokens = on_all
         try:
-            _run_layer(self.layer, self.inputs, self.args, self.kwargs, keep_outputs=False, collectors=collectors)
+            _run_layer(self.layer, self.inputs, self.args, self.kwargs, keep_outputs=False, collectors=collectors,
+                       stop=stop)
         finally:
+            stop.remove()
             for collector in collectors:
                 collector.remove()
             if experts is not None:

@@ -72,6 +72,75 @@ def uniform_params(w: torch.Tensor, bits: int, sym: bool, clip_search: bool = Fa
     return scale, zero
 
 
+# grouped_uniform_params works on row blocks of about this many elements (bounds its temporaries) and never
+# on fewer than GROUPED_MIN_ROWS rows: CUDA picks a reduction's thread layout, and with it the order in which
+# a row's error is summed, from the row length and, for fewer rows than this, the row count too.
+GROUPED_BLOCK_ELEMENTS = 1 << 23
+GROUPED_MIN_ROWS = 512
+GROUPED_MAX_WIDTH = 4096  # wider rows: CUDA may split one row's sum over blocks, by a rule that counts rows
+# On the CPU, torch's pow runs vectorized except on the tail of each thread's share of a contiguous
+# tensor, and the two paths round differently; a share whose length is a multiple of this (two vectors of
+# the widest ISA torch uses) has no tail.
+_CPU_VECTOR_SPAN = 32
+_CPU_GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an elementwise op runs on one thread
+
+
+def _cpu_pow_has_no_tail(n: int) -> bool:
+    """Whether every element of a contiguous n-element CPU op takes the vectorized path."""
+    threads = torch.get_num_threads()
+    if n < _CPU_GRAIN or threads == 1:
+        return n % _CPU_VECTOR_SPAN == 0
+    tasks = min(threads, -(-n // _CPU_GRAIN))
+    chunk = -(-n // tasks)
+    last = n - (-(-n // chunk) - 1) * chunk
+    return chunk % _CPU_VECTOR_SPAN == 0 and last % _CPU_VECTOR_SPAN == 0
+
+
+def _row_blocks(rows: int, most: int):
+    """[(start, stop)] splitting `rows` into the fewest near-equal blocks of at most `most` rows."""
+    count = -(-rows // most) if rows else 1
+    bounds = [rows * i // count for i in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def grouped_uniform_params(w: torch.Tensor, group_size: int, bits: int, sym: bool, clip_search: bool = False):
+    """uniform_params of every column group [j·g, (j+1)·g) of `w` [k, d] (the last may be partial):
+    scales and zeros [k, G], the same values as one call per group, from a few calls over all groups'
+    rows at once. Every op is elementwise or a per-row reduction, so batching rows changes no value
+    where the per-row arithmetic is the same: on CUDA with at least GROUPED_MIN_ROWS rows per call; on
+    the CPU where no group's pow meets a tail (_cpu_pow_has_no_tail), else it runs group by group."""
+    k, d = w.shape
+    g = group_size
+    full = d // g
+    groups = num_groups(d, g)
+    scales = torch.empty(k, groups, dtype=w.dtype, device=w.device)
+    zeros = torch.empty_like(scales)
+    rows = k * full  # row r·full + j of the flattened groups = group j of row r
+    blocks = _row_blocks(rows, max(1, GROUPED_BLOCK_ELEMENTS // g) if clip_search else rows)
+    if full < 2:
+        batched = False
+    elif not clip_search:  # min, max and exact elementwise ops only
+        batched = True
+    elif w.is_cuda:
+        batched = k >= GROUPED_MIN_ROWS and g <= GROUPED_MAX_WIDTH and min(b - a for a, b in blocks) >= GROUPED_MIN_ROWS
+    else:
+        batched = all(_cpu_pow_has_no_tail(n * g) for n in {k} | {b - a for a, b in blocks})
+    if not batched:
+        for j in range(groups):
+            scales[:, j], zeros[:, j] = uniform_params(w[:, j * g : (j + 1) * g], bits, sym, clip_search)
+        return scales, zeros
+    flat = w[:, : full * g].reshape(rows, g)
+    s_flat = scales.new_empty(rows)
+    z_flat = zeros.new_empty(rows)
+    for a, b in blocks:
+        s_flat[a:b], z_flat[a:b] = uniform_params(flat[a:b], bits, sym, clip_search)
+    scales[:, :full] = s_flat.view(k, full)
+    zeros[:, :full] = z_flat.view(k, full)
+    if full < groups:
+        scales[:, full], zeros[:, full] = uniform_params(w[:, full * g :], bits, sym, clip_search)
+    return scales, zeros
+
+
 def quantize_codes(w, scale, zero, bits):
     """Integer codes of `w` for per-row (broadcast) scale/zero."""
     return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)

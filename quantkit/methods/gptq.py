@@ -26,7 +26,13 @@ import logging
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
+from quantkit.formats.uniform import (
+    UniformQuantizedTensor,
+    grouped_uniform_params,
+    num_groups,
+    quantize_codes,
+    uniform_params,
+)
 from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.configs import GPTQConfig
@@ -79,14 +85,14 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     g = effective_group_size(group_size, d)
     groups = num_groups(d, g)
     w = weight.clone() if perm is None else weight[:, perm]
-    scales = torch.empty(k, groups, dtype=w.dtype, device=w.device)
-    zeros = torch.empty_like(scales)
     col_group = None  # static groups: the group of each processed column
-    if static_groups:  # from the original weights, original column order
-        for j in range(groups):
-            scales[:, j], zeros[:, j] = uniform_params(weight[:, j * g : (j + 1) * g], bits, sym, clip_search)
+    if static_groups:  # from the original weights, original column order, every group in one batched search
+        scales, zeros = grouped_uniform_params(weight, g, bits, sym, clip_search)
         orig = range(d) if perm is None else perm.tolist()
         col_group = [c // g for c in orig]
+    else:
+        scales = torch.empty(k, groups, dtype=w.dtype, device=w.device)
+        zeros = torch.empty_like(scales)
     codes = torch.empty(k, d, dtype=torch.int64, device=w.device)
 
     # on CUDA the fused k-OOC kernel runs the column loop (kernels/gptq_cuda.py); None = unavailable

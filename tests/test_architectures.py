@@ -342,3 +342,15 @@ def test_bf16_checkpoint_keeps_its_dtype(tiny_tokenizer, small_data, tmp_path):
         low, high = served(ids).logits, exact(ids).logits
     assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
     assert (low.float() - high).abs().max() < 0.05 * high.abs().max()
+
+
+def test_an_encoder_config_without_architectures_is_refused_unless_it_is_a_decoder():
+    """BERT's model_type maps to a causal-LM class (BertLMHeadModel), but only with is_decoder set is that
+    model causal: a plain encoder config is refused from the config alone."""
+    from quantkit.errors import QuantkitError
+    from quantkit.models.loading import causal_lm_class
+
+    with pytest.raises(QuantkitError, match="an encoder config"):
+        causal_lm_class({"model_type": "bert"})
+    assert causal_lm_class({"model_type": "bert", "is_decoder": True}) == "BertLMHeadModel"
+    assert causal_lm_class({"model_type": "llama"}) == "LlamaForCausalLM"

@@ -70,7 +70,10 @@ def causal_lm_class(config: dict) -> str:
     expected. A config that lists `architectures` must name a class of transformers' causal-LM mapping
     (BertForMaskedLM, an encoder, does not, although BERT has a causal variant); without
     `architectures` the model_type must be in the mapping."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
@@ -79,6 +82,11 @@ def causal_lm_class(config: dict) -> str:
     if found:
         return found[0]
     if not architectures and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # an encoder family with a causal variant (BERT, RoBERTa, ...) is a causal LM only when the config
+        # says is_decoder; otherwise its attention is bidirectional and the config describes the encoder
+        if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.get("is_decoder", False):
+            raise QuantkitError(f"unsupported architecture {model_type!r}: an encoder config (is_decoder is not "
+                                "set); expected a decoder-only causal LM such as LlamaForCausalLM")
         return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     declared = f" ({', '.join(map(str, architectures))})" if architectures else ""
     raise QuantkitError(f"unsupported architecture {model_type!r}{declared}: expected a decoder-only causal LM, "

@@ -160,8 +160,8 @@ def run_fingerprint(source, model, quantizer, calib_ids, device, dtype) -> dict:
             # what else changes the arithmetic: torch's kernels, the CPU thread count (sum order), quantkit's own
             "torch": torch.__version__,
             "cpu_threads": torch.get_num_threads() if torch.device(device).type == "cpu" else None,
-            "kernels": ("disabled" if os.environ.get("QUANTKIT_NO_KERNELS") == "1"
-                        else f"sources {sources_digest()[:16]}")}
+            "kernels": {"1": "disabled", "cuda": f"cuda disabled, sources {sources_digest()[:16]}"}.get(
+                os.environ.get("QUANTKIT_NO_KERNELS"), f"sources {sources_digest()[:16]}")}
 
 
 class _Job:

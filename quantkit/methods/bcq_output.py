@@ -174,16 +174,19 @@ def refit(w, h, idx, bits, g, offset):
     hp = torch.nn.functional.pad(h, (0, pad, 0, pad)).reshape(G, g, G * g)
     wh = torch.nn.functional.pad(w @ h, (0, pad)).reshape(k, G, g)
     rhs = torch.einsum("rijt,rjt->rij", E, wh).reshape(k, m * G)
-    gram = torch.empty(k, m * G, m * G, dtype=torch.float64, device=w.device)
-    step = max(1, _CHUNK // (m * G * G * g))
+    # each chunk of rows builds, regularises and solves its own normal equations, so memory holds one
+    # chunk's [m·G, m·G] systems, never all k of them (a 70B down_proj at q = 3 would need ~30 GB)
+    sol = torch.empty(k, m * G, dtype=w.dtype, device=w.device)
+    step = max(1, min(_CHUNK // (m * G * G * g), _CHUNK // (m * G) ** 2))
     for r0 in range(0, k, step):
         e = E[r0 : r0 + step]
         t = torch.einsum("rijt,jtc->rijc", e, hp).reshape(e.shape[0], m, G, G, g)  # Σ_{t∈j} E_i[t]·H[t, c]
-        gram[r0 : r0 + step] = torch.einsum("rijJt,rlJt->rijlJ", t, e).reshape(e.shape[0], m * G, m * G).double()
-    diag = torch.diagonal(gram, dim1=1, dim2=2)
-    ridge = _RIDGE * diag.mean(dim=1).clamp_min(1e-30)
-    gram = gram + torch.diag_embed(ridge[:, None].expand_as(diag))
-    sol = torch.linalg.solve(gram, rhs.double().unsqueeze(-1)).squeeze(-1).to(w.dtype).reshape(k, m, G)
+        gram = torch.einsum("rijJt,rlJt->rijlJ", t, e).reshape(e.shape[0], m * G, m * G).double()
+        diag = torch.diagonal(gram, dim1=1, dim2=2)
+        ridge = _RIDGE * diag.mean(dim=1).clamp_min(1e-30)
+        gram.diagonal(dim1=1, dim2=2).add_(ridge[:, None])
+        sol[r0 : r0 + step] = torch.linalg.solve(gram, rhs[r0 : r0 + step].double().unsqueeze(-1)).squeeze(-1)
+    sol = sol.reshape(k, m, G)
     alpha = sol[:, :bits].transpose(1, 2)  # [k, G, q]
     z = sol[:, bits] if offset else torch.zeros(k, G, dtype=w.dtype, device=w.device)
     negative = alpha < 0

@@ -404,7 +404,10 @@ def load_for_generation(src, device, dtype=None, verify=True, bits=None, runtime
                 raise
             runtime, why = "transformers", str(exc)
         else:
-            model = load_decoder(source.path, device, resolve_dtype(dtype, device), verify, bits)
+            from quantkit.models.loading import checkpoint_dtype
+
+            native = checkpoint_dtype(source)  # --dtype auto: the checkpoint's own bf16/fp16 on CUDA
+            model = load_decoder(source.path, device, resolve_dtype(dtype, device, native), verify, bits)
             return model, load_tokenizer(source), source, fast_note
     model, tokenizer, source = load_for_eval(src, device, dtype, verify=verify, bits=bits)
     if runtime != "transformers":

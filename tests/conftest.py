@@ -134,3 +134,15 @@ def pytest_runtest_setup(item):
     for mark in item.iter_markers("requires"):
         for what in mark.args:
             require(what)
+
+
+@pytest.fixture
+def loader_never_called(monkeypatch):
+    """The tokenizer and weight loaders of the quantize job fail the test if they are reached."""
+    import quantkit.pipeline as pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", never)
+    monkeypatch.setattr(pipeline, "load_model", never)

@@ -254,17 +254,6 @@ def test_expert_token_counts_and_the_few_token_rule(checkpoints, small_data, tmp
 
 # --- refusals -----------------------------------------------------------------------------------
 
-@pytest.fixture
-def loader_never_called(monkeypatch):
-    import quantkit.pipeline as pipeline
-
-    def never(*args, **kwargs):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr(pipeline, "load_tokenizer", never)
-    monkeypatch.setattr(pipeline, "load_model", never)
-
-
 def _one_line(result):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]

@@ -103,6 +103,17 @@ def fmt_table(headers, rows):
     return "\n".join(out)
 
 
+def load_kernel():
+    """(the anyprec extension, the GPU's properties, seconds to build or load it), TF32 off for cuBLAS."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.perf_counter()
+    ext = build.load("anyprec", verbose=False)
+    build_s = time.perf_counter() - t0
+    if ext is None:
+        raise SystemExit(f"anyprec kernel unavailable: {build.unavailable_reason('anyprec')}")
+    return ext, torch.cuda.get_device_properties(0), build_s
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, widths 3/4/8, batch 1/8, short ablation")
@@ -114,13 +125,7 @@ def main():
     ap.add_argument("--batches", help="comma-separated batches instead of the default (1,2,4,8, --quick 1,8)")
     args = ap.parse_args()
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    t0 = time.perf_counter()
-    ext = build.load("anyprec", verbose=False)
-    build_s = time.perf_counter() - t0
-    if ext is None:
-        raise SystemExit(f"anyprec kernel unavailable: {build.unavailable_reason('anyprec')}")
-    props = torch.cuda.get_device_properties(0)
+    ext, props, build_s = load_kernel()
     l2 = props.L2_cache_size
     info = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2, "torch": torch.__version__,
             "cuda": torch.version.cuda, "build_or_load_s": round(build_s, 1), "quick": args.quick}

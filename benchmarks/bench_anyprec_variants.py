@@ -21,10 +21,9 @@ import subprocess
 import time
 
 import torch
-from bench_anyprec_kernel import Parent, copies_for, fmt_table, graph_time
+from bench_anyprec_kernel import Parent, copies_for, fmt_table, graph_time, load_kernel
 
 from quantkit.kernels import anyprec_gemm as ag
-from quantkit.kernels import build
 
 # the shapes that matter most first: a run cut short by its time limit keeps them
 SHAPES = [(28672, 8192), (49152, 12288), (11008, 4096), (4096, 4096), (8192, 28672), (4096, 11008),
@@ -67,13 +66,7 @@ def main():
                     help="comma-separated names of anyprec_gemm.CANDIDATES to time (default all; today's always)")
     args = ap.parse_args()
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    t0 = time.perf_counter()
-    ext = build.load("anyprec", verbose=False)
-    build_s = time.perf_counter() - t0
-    if ext is None:
-        raise SystemExit(f"anyprec kernel unavailable: {build.unavailable_reason('anyprec')}")
-    props = torch.cuda.get_device_properties(0)
+    ext, props, build_s = load_kernel()
     l2 = props.L2_cache_size
     shapes = SHAPES
     if args.shapes:

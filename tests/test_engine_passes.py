@@ -1,10 +1,13 @@
 """The engine's statistics passes end each window's forward after the step's last hooked linear: the same
-statistics (so the same artifact) as full forwards, with fewer modules run."""
+statistics (so the same artifact) as full forwards, with fewer modules run. Half-precision activations on
+CUDA are summed into the Gram by a tensor-core GEMM with an fp32 result."""
 
+import pytest
 import torch
 
 from factories import tiny_causal_lm
-from quantkit.engine import driver
+from quantkit.engine import driver, stats
+from quantkit.engine.stats import add_gram
 from quantkit.methods import make_method
 from quantkit.models import adapter_for
 
@@ -39,3 +42,18 @@ def test_early_stop_gives_the_full_forward_statistics(monkeypatch):
     # observed window; the q/k/v, o and gate/up passes stop before it
     assert early[2] == windows * (2 * layers - 1) + 1
     assert full[2] == windows * (5 * layers - 1) + 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision Gram path runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_activation_gram_is_an_fp32_sum_of_exact_products(dtype):
+    tokens, width = 1024, 384
+    x = (torch.randn(tokens, width, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4).to(dtype)
+    total = torch.zeros(width, width, device="cuda")
+    add_gram(total, x)
+    add_gram(total, x)  # accumulates onto what is there
+    assert stats._half_gemm_fp32_out is True  # the tensor-core path ran, not the fp32 fallback
+    exact = 2 * (x.double().t() @ x.double())
+    # fp32 sums of 2·tokens exact products: |error| ≤ n·2⁻²⁴·Σ|xᵢxⱼ|; a half-precision result would be ~2⁻⁸ off
+    bound = 2 * tokens * 2.0**-24 * 2 * (x.double().abs().t() @ x.double().abs())
+    assert ((total.double() - exact).abs() <= bound).all()

@@ -3,12 +3,14 @@ quantized weight of an artifact put back as its dequantized value; and the confi
 tiny random models continue a prompt with varied tokens (token equality then says something).
 
     dequantized_reference(src, artifact, dtype=torch.float32, device="cpu") -> eval-mode transformers model
+    window_ppl(model, ids, seqlen, windows) -> exp(mean next-token NLL) over the first non-overlapping windows
     LIVELY: {architecture: config overrides}, lively(arch) -> the overrides of `arch`
 """
 
 import re
 
 import torch
+import torch.nn.functional as F
 
 from quantkit.artifact import read_config, read_quantized_tensors
 from quantkit.models.loading import Source, checkpoint_dtype
@@ -54,3 +56,16 @@ def dequantized_reference(src, artifact, dtype=torch.float32, device="cpu"):
             else:
                 reference.get_submodule(name).weight.copy_(weight)
     return reference
+
+
+def window_ppl(model, ids, seqlen, windows):
+    """exp(mean next-token NLL) of `model` over the first `windows` non-overlapping `seqlen` windows of the 1-D
+    token ids, the NLL taken in float64 from the model's logits."""
+    import math
+
+    device = next(model.parameters()).device
+    data = ids[: windows * seqlen].view(windows, seqlen).to(device)
+    with torch.inference_mode():
+        logits = model(data).logits.double()
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+    return math.exp(nll.item())

@@ -9,11 +9,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from click.testing import CliRunner
 
 import quantkit
-from arch_oracle import dequantized_reference, lively
+from arch_oracle import dequantized_reference, lively, window_ppl
 from factories import save_tiny, tiny_causal_lm
 from quantkit.cli import main
 from quantkit.models import load_tokenizer, resolve_source
@@ -111,15 +110,6 @@ def test_generate_gives_the_tokens_of_the_dequantized_float_model(arch, made, ti
         assert not torch.allclose(original(prompt).logits, reference(prompt).logits, atol=1e-3)
 
 
-def _window_ppl(model, ids, seqlen, windows):
-    """exp(mean next-token NLL) over the first `windows` non-overlapping windows of ids, in float64."""
-    data = ids[: windows * seqlen].view(windows, seqlen)
-    with torch.inference_mode():
-        logits = model(data).logits.double()
-    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
-    return math.exp(nll.item())
-
-
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "mixtral"])
 def test_eval_ppl_equals_the_dequantized_float_model(arch, made, data_dir, tmp_path):
     from quantkit.data import eval_tokens
@@ -133,10 +123,10 @@ def test_eval_ppl_equals_the_dequantized_float_model(arch, made, data_dir, tmp_p
     (scores,) = json.loads(out.read_text())["results"]
     assert scores["windows"] == PPL_WINDOWS and math.isfinite(scores["ppl"])
     ids, _ = eval_tokens("wikitext2", load_tokenizer(resolve_source(str(art))), PPL_SEQLEN, data_dir)
-    want = _window_ppl(dequantized_reference(src, art), ids, PPL_SEQLEN, PPL_WINDOWS)
+    want = window_ppl(dequantized_reference(src, art), ids, PPL_SEQLEN, PPL_WINDOWS)
     assert scores["ppl"] == pytest.approx(want, rel=1e-5)
     # and the quantization shows: the float model's own perplexity on those windows is another number
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-    assert _window_ppl(original, ids, PPL_SEQLEN, PPL_WINDOWS) != pytest.approx(want, rel=1e-4)
+    assert window_ppl(original, ids, PPL_SEQLEN, PPL_WINDOWS) != pytest.approx(want, rel=1e-4)

@@ -5,14 +5,14 @@ and sequential groups learned by watching a forward, the per-block calls (slidin
 mixture-of-experts routing statistics, and one-line refusals of what is not a decoder-only causal LM."""
 
 import json
-import re
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from arch_oracle import dequantized_reference
 from factories import save_tiny, tiny_causal_lm
-from quantkit.artifact import read_config, read_quantized_tensors
+from quantkit.artifact import read_config
 from quantkit.cli import main
 from quantkit.engine import capture_layer_inputs
 from quantkit.engine.driver import _run_layer
@@ -20,7 +20,7 @@ from quantkit.models import adapter_for
 from quantkit.models.adapters import observe_calls
 from quantkit.pipeline import evaluate_ppl, quantize_checkpoint
 from quantkit.runtime import QuantLinear, load_quantized
-from quantkit.runtime.experts import RoutedExperts, is_fused_experts, replace_fused_experts, routed_from_fused
+from quantkit.runtime.experts import RoutedExperts, replace_fused_experts, routed_from_fused
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "opt", "gemma2", "gemma3_text", "phi3", "gpt_neox")
 MOE = ("qwen3_moe", "mixtral")
@@ -56,33 +56,6 @@ def _quantize(src, out, method, small_data):
                                checkpoint=False)
 
 
-def _dequantized_reference(src, artifact):
-    """The float checkpoint loaded by transformers (fused experts and all), its unquantized tensors rounded
-    as the artifact stores them (fp16), each quantized weight replaced by its dequantized value."""
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-    for param in reference.parameters():
-        param.data = param.data.half().float()
-    qtensors, _ = read_quantized_tensors(artifact, read_config(artifact)["quantization_config"]["modules"])
-    with torch.no_grad():
-        for name, qtensor in qtensors.items():
-            weight = qtensor.dequantize(torch.float32)
-            expert = re.fullmatch(r"(.+)\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
-            fused = reference.get_submodule(expert[1]) if expert else None
-            if fused is not None and is_fused_experts(fused):
-                e, leaf = int(expert[2]), expert[3]
-                if leaf == "down_proj":
-                    fused.down_proj[e].copy_(weight)
-                else:  # gate_up_proj[e] is [gate; up]
-                    half = fused.gate_up_proj.shape[1] // 2
-                    rows = slice(0, half) if leaf == "gate_proj" else slice(half, None)
-                    fused.gate_up_proj[e, rows].copy_(weight)
-            else:
-                reference.get_submodule(name).weight.copy_(weight)
-    return reference
-
-
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 @pytest.mark.parametrize("arch", DENSE + MOE)
 def test_artifact_reloads_with_the_logits_of_its_dequantized_weights(arch, method, checkpoints, small_data, data_dir,
@@ -95,7 +68,7 @@ def test_artifact_reloads_with_the_logits_of_its_dequantized_weights(arch, metho
     assert len(quantized) == summary["modules_quantized"]
     assert read_config(out)["quantization_config"]["architecture"] == arch
 
-    reference = _dequantized_reference(src, out)
+    reference = dequantized_reference(src, out)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits

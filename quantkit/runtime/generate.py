@@ -324,6 +324,17 @@ def generate(model, tokenizer, prompts, max_new_tokens=64, sampling=Sampling(), 
     return out
 
 
+def _padding_id(tokenizer, model, eos_ids):
+    """The id that left-pads a batch: the tokenizer's pad token where the model's embedding has a row for it,
+    else an end-of-sequence id, else 0. The attention mask hides it, but the embedding still looks it up, and
+    some tokenizers add a pad token the checkpoint never had (Qwen2's `<|endoftext|>` on a smaller vocabulary)."""
+    rows = model.get_input_embeddings().num_embeddings
+    for candidate in (tokenizer.pad_token_id, *sorted(eos_ids)):
+        if candidate is not None and 0 <= candidate < rows:
+            return candidate
+    return 0
+
+
 @torch.inference_mode()
 def generate_transformers(model, tokenizer, rows, max_new_tokens, sampling=Sampling(), eos_ids=(), stop_strings=()):
     """The prompts' token ids `rows` completed with `model.generate` (KV cache on; loaded artifacts set
@@ -333,7 +344,7 @@ def generate_transformers(model, tokenizer, rows, max_new_tokens, sampling=Sampl
     generated), "tokens_per_s" (new tokens / all time)}."""
     device = next(model.parameters()).device
     width = max(map(len, rows))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
+    pad = _padding_id(tokenizer, model, eos_ids)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -130,20 +130,25 @@ class LayerCheckpoint:
 
     # --- resume -----------------------------------------------------------------------------
 
-    def restore(self):
-        """({module: QuantizedTensor}, [log entries]) of the committed layers, files verified."""
-        from quantkit.formats.base import quantized_tensor_from_state_dict
-
-        qtensors, entries = {}, []
-        if self.state is None:
-            return qtensors, entries
-        for item in self.state["layers"]:
+    def committed_layers(self):
+        """[(layer index, file, {module: meta}, [log entries])] of the committed layers, files verified."""
+        out = []
+        for item in (self.state or {}).get("layers", []):
             path = self.dir / item["file"]
             if not path.is_file() or file_digest(path) != item["sha256"]:
                 raise CheckpointError(f"{path}: checkpoint file missing or altered; pass --overwrite to start over")
             with safe_open(str(path), framework="pt") as fh:
                 meta = fh.metadata()
-                modules = json.loads(meta["modules"])
+            out.append((item["index"], path, json.loads(meta["modules"]), json.loads(meta["entries"])))
+        return out
+
+    def restore(self):
+        """({module: QuantizedTensor}, [log entries]) of the committed layers, files verified."""
+        from quantkit.formats.base import quantized_tensor_from_state_dict
+
+        qtensors, entries = {}, []
+        for _, path, modules, layer_entries in self.committed_layers():
+            with safe_open(str(path), framework="pt") as fh:
                 tensors = {key: fh.get_tensor(key) for key in fh.keys()}
             own = {name: {} for name in modules}
             for key, value in tensors.items():
@@ -151,8 +156,12 @@ class LayerCheckpoint:
                 own[module][short] = value
             for name, module_meta in modules.items():
                 qtensors[name] = quantized_tensor_from_state_dict(module_meta, own[name])
-            entries += json.loads(meta["entries"])
+            entries += layer_entries
         return qtensors, entries
+
+    def layer_path(self, index) -> Path:
+        """The file of layer `index`'s quantized tensors (written by commit, on rank 0)."""
+        return self.dir / _layer_file(index)
 
     def load_inputs(self, start, stop):
         """The next layer's inputs of windows [start, stop), from whichever rank files hold them (so a

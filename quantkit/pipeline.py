@@ -15,7 +15,7 @@ from quantkit.artifact import check_out_dir, check_output_location, float_tensor
 from quantkit.data import calibration_windows, check_available, eval_tokens
 from quantkit.data.calib_file import is_calibration_file
 from quantkit.engine import quantize_model
-from quantkit.engine.spill import QuantizedStore, spill_dir
+from quantkit.engine.spill import QuantizedStore, remove_stale_spills, spill_dir
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.kernels.build import sources_digest
@@ -389,6 +389,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         else:
             job.fingerprint = run_fingerprint(source, model, quantizer, calib_ids, device, torch_dtype)
             if spill:  # rank 0 writes the artifact; the other ranks keep only the modules' meta
+                if job.ranks.is_main:
+                    remove_stale_spills(out)
                 store = QuantizedStore(spill_dir(out), keep=job.ranks.is_main)
             qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress, blocks,
                                              store)

@@ -35,12 +35,14 @@ CHUNK_BYTES = 16 * 1024**2  # read buffer for tensors that wait in files
 
 @dataclass(frozen=True, eq=False)
 class TensorBytes:
-    """One tensor to write: its dtype and shape, and where its bytes are: `tensor` (CPU, contiguous), or
+    """One tensor to write: its dtype and shape, and where its bytes are: `tensor` (CPU, contiguous);
+    `rows`, a tensor on any device copied to the host one index of its first dimension at a time; or
     `nbytes` bytes at `offset` of the file `path`."""
 
     dtype: torch.dtype
     shape: tuple
     tensor: torch.Tensor = None
+    rows: torch.Tensor = None
     path: Path = None
     offset: int = 0
 
@@ -48,6 +50,11 @@ class TensorBytes:
     def of(cls, tensor: torch.Tensor) -> "TensorBytes":
         tensor = tensor.detach().to("cpu").contiguous()
         return cls(tensor.dtype, tuple(tensor.shape), tensor=tensor)
+
+    @classmethod
+    def by_rows(cls, tensor: torch.Tensor) -> "TensorBytes":
+        """A tensor (e.g. activations on the GPU) that reaches the host one row at a time, never whole."""
+        return cls(tensor.dtype, tuple(tensor.shape), rows=tensor.detach())
 
     @property
     def nbytes(self) -> int:
@@ -59,9 +66,12 @@ class TensorBytes:
     def chunks(self):
         """The tensor's bytes as memoryviews, in order (one view of an in-memory tensor; buffers of at most
         CHUNK_BYTES read from a file, each valid until the next is asked for)."""
-        if self.tensor is not None:
-            if self.nbytes:
-                yield memoryview(self.tensor.reshape(-1).view(torch.uint8).numpy())
+        if self.tensor is not None or self.rows is not None:
+            pieces = [self.tensor] if self.tensor is not None else self.rows
+            for piece in pieces:
+                piece = piece.to("cpu").contiguous()
+                if piece.numel():
+                    yield memoryview(piece.reshape(-1).view(torch.uint8).numpy())
             return
         left = self.nbytes
         buffer = memoryview(bytearray(min(left, CHUNK_BYTES)))
@@ -78,6 +88,8 @@ class TensorBytes:
         """The tensor in memory (a file range is read into a new tensor)."""
         if self.tensor is not None:
             return self.tensor
+        if self.rows is not None:
+            return self.rows.to("cpu").contiguous()
         out = torch.empty(self.shape, dtype=self.dtype)
         if self.nbytes:
             flat = out.reshape(-1).view(torch.uint8).numpy()

@@ -96,6 +96,12 @@ def test_tensor_files_are_the_bytes_save_file_writes(tmp_path):
         loaded = ranges[name].load()
         assert loaded.dtype == tensor.dtype and loaded.shape == tensor.shape and torch.equal(loaded, tensor)
 
+    # a tensor that reaches the host one row at a time (checkpointed activations) gives the same file
+    by_rows = {name: tensorfile.TensorBytes.by_rows(t) if t.dim() else tensorfile.TensorBytes.of(t)
+               for name, t in tensors.items()}
+    tensorfile.write_tensor_file(tmp_path / "rows.safetensors", by_rows, metadata)
+    assert (tmp_path / "rows.safetensors").read_bytes() == want
+
 
 def _rtn_model_and_store(tmp_path, layers=3):
     model = tiny_causal_lm("llama", layers=layers, seed=2)
@@ -272,3 +278,21 @@ def test_a_failed_spilled_run_leaves_nothing(llama4_dir, tmp_path, monkeypatch):
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "could not write the quantized tensors of layer 0" in lines[0] and "No space left" in lines[0]
     assert _siblings(out) == [] and not checkpoint_dir(out).exists()
+
+
+def test_a_killed_runs_spill_directory_goes_with_the_next_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    dead = tmp_path / f".q.spill-{int(finished.stdout)}"
+    alive = tmp_path / f".q.spill-{os.getppid()}"
+    other = tmp_path / f".qq.spill-{int(finished.stdout)}"
+    for path in (dead, alive, other):
+        path.mkdir()
+        (path / "layer-00000.safetensors").write_bytes(b"x")
+    spill.remove_stale_spills(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from quantkit.artifact import file_digest
 from quantkit.errors import CheckpointError, StorageError
+from quantkit.tensorfile import TensorBytes, write_tensor_file
 
 STATE = "state.json"
 FORMAT = "quantkit-checkpoint"
@@ -242,15 +243,21 @@ class LayerCheckpoint:
         self._atomic_save(tensors, self.dir / _layer_file(index), metadata)
 
     def _write_inputs(self, layer, inputs, start):
-        stop = start + inputs.shape[0]
-        self._atomic_save({"inputs": inputs.detach().to("cpu").contiguous()}, self.dir / _inputs_file(layer, start),
-                          {"start": str(start), "stop": str(stop)})
+        # one window at a time: the activations (2 GiB for 128 x 2048 x 4096 bf16, often on the GPU) never
+        # reach host memory whole
+        metadata = {"start": str(start), "stop": str(start + inputs.shape[0])}
+        entries = {"inputs": TensorBytes.by_rows(inputs)}
+        self._atomic(lambda tmp: write_tensor_file(tmp, entries, metadata), self.dir / _inputs_file(layer, start))
+
+    def _atomic_save(self, tensors, path: Path, metadata):
+        self._atomic(lambda tmp: save_file(tensors, str(tmp), metadata=metadata), path)
 
     @staticmethod
-    def _atomic_save(tensors, path: Path, metadata):
+    def _atomic(write, path: Path):
+        """write(temporary path), then rename it to `path`; nothing is left under either name on failure."""
         tmp = path.with_name(path.name + ".tmp")
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
+            write(tmp)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

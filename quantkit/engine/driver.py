@@ -17,7 +17,8 @@ one window's intermediate activations, and the calibration activations: the laye
 outputs, 2 · nsamples · seqlen · hidden values of the model dtype. With `offload_activations` those
 stay in host memory and travel to the device one window at a time (slower, and the device then
 holds about one layer plus the statistics). The host holds the model once (weights are replaced in
-place by their dequantized values) plus the packed quantized tensors.
+place by their dequantized values) plus the packed quantized tensors: all of them, or with a `store`
+(engine.spill) one layer's, the others waiting on disk.
 
 Options: `checkpoint` (engine.checkpoint) records every finished layer and resumes after the last
 one recorded; `ranks` (engine.distributed) splits windows and linears over a torchrun job with the

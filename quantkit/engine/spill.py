@@ -9,8 +9,9 @@ at a time; store[name] reads a module back. Host memory for packed tensors is th
 not the model's (3.4 GB for a 4-bit 7B model).
 
 The spill directory, `.<out name>.spill-<pid>` beside the output, is the store's alone: remove() deletes
-it whether the run succeeded or failed. A store with keep=False (the ranks other than 0 of a torchrun job,
-which do not write the artifact) keeps the modules' meta and nothing else.
+it whether the run succeeded or failed, and the next run to the same output deletes one a killed run
+left. A store with keep=False (the ranks other than 0 of a torchrun job, which do not write the artifact)
+keeps the modules' meta and nothing else.
 """
 
 import json
@@ -26,6 +27,22 @@ from quantkit.tensorfile import TensorBytes, file_entries, write_tensor_file
 def spill_dir(out) -> Path:
     out = Path(out)
     return out.parent / f".{out.name}.spill-{os.getpid()}"
+
+
+def remove_stale_spills(out):
+    """Delete the spill directories of earlier runs to `out` whose process is gone (a killed run cannot
+    clean up after itself); a directory of a live process is left alone."""
+    out = Path(out)
+    for path in out.parent.glob(f".{out.name}.spill-*"):
+        pid = path.name.rpartition("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
 
 
 class QuantizedStore(Mapping):

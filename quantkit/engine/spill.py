@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from quantkit.artifact import read_header
 from quantkit.errors import StorageError
 from quantkit.tensorfile import TensorBytes, file_entries, write_tensor_file
 
@@ -91,8 +92,6 @@ class QuantizedStore(Mapping):
         return path
 
     def _index(self, path, modules, expected=None):
-        from quantkit.artifact import read_header
-
         found = file_entries(path, read_header(Path(path)))
         if expected is not None:
             got = {name: (e.dtype, e.shape) for name, e in found.items()}

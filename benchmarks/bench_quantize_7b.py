@@ -17,6 +17,11 @@ Timings (seconds, from the run's summary and quant_log.json):
   solver       the sum of the per-linear method times (GPTQ with act-order, static groups, clip search)
   write        writing the artifact (shards, checksums, tokenizer)
   other        the rest of the wall time: checks, tokenizing the calibration text, sampling the windows
+Peak host RSS: the worker's ru_maxrss, and the peak per phase from a thread reading /proc/self/statm every
+50 ms (it can miss a spike shorter than that; ru_maxrss cannot): `load` up to the engine's start (tokenizer,
+calibration windows, the tensors outside the blocks), `forwards+solver` the engine (block reads included),
+`write` the artifact writer, `other` before and after those. Finished layers' packed tensors wait on disk
+(engine/spill.py) unless --no-spill keeps them in memory (the behaviour before the spill, for comparison).
 The layer checkpoint (resume) is off unless --checkpoint: it writes each layer's next inputs to disk
 (128 × 2048 × 4096 bf16 = 2 GiB per layer).
 
@@ -36,6 +41,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +52,7 @@ LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_head
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
         "vocab_size": 500}  # --tiny: a CPU smoke test of the script itself
 LAYERS_PER_SHARD = 4
+PHASES = ("load", "forwards+solver", "write", "other")
 
 
 def _tokenizer(vocab_size):
@@ -106,22 +113,77 @@ def build_checkpoint(directory: Path, layers: int, tokens: int, seed=0, shape=No
     (directory / "done").write_text(json.dumps(stamp))
 
 
+class PhaseRss:
+    """Resident set size of this process, read from /proc/self/statm every `interval` seconds by a thread;
+    the peak (and when it came, seconds from the start) per phase. `during(phase, fn)` wraps fn so that its
+    calls count as `phase`."""
+
+    def __init__(self, interval=0.05):
+        self.interval, self.phase, self.peaks = interval, "other", {}
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self):
+        with open("/proc/self/statm") as fh:
+            fields = fh.read().split()
+        rss, shared = int(fields[1]) * self.page, int(fields[2]) * self.page
+        peak = self.peaks.get(self.phase)
+        if peak is None or rss > peak["rss_bytes"]:
+            self.peaks[self.phase] = {"rss_bytes": rss, "file_backed_bytes": shared,
+                                      "at_seconds": round(time.perf_counter() - self.start, 2)}
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def enter(self, phase):
+        self.sample()  # the last moment of the phase that ends
+        self.phase = phase
+        self.sample()
+
+    def during(self, phase, fn):
+        def wrapped(*args, **kwargs):
+            self.enter(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.enter("other")
+
+        return wrapped
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.peaks
+
+
 def worker(args):
+    import quantkit.pipeline as pipeline
     from quantkit.engine.distributed import env_world_size
-    from quantkit.pipeline import quantize_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rank = int(os.environ.get("RANK", "0"))
+    rss = PhaseRss()
+    # the pipeline looks both up at call time: wrapped, their calls are the forwards+solver and write phases
+    pipeline.quantize_model = rss.during("forwards+solver", pipeline.quantize_model)
+    pipeline.write_artifact = rss.during("write", pipeline.write_artifact)
     start = time.perf_counter()
-    summary = quantize_checkpoint(str(args.model), args.out, "gptq", {"bits": 4, "group_size": 128},
-                                  calib=str(Path(args.model) / "calibration.txt"), nsamples=args.nsamples,
-                                  seqlen=args.seqlen, device=args.device, dtype=args.dtype, overwrite=True,
-                                  progress=False, checkpoint=args.checkpoint)
+    rss.enter("load")
+    summary = pipeline.quantize_checkpoint(str(args.model), args.out, "gptq", {"bits": 4, "group_size": 128},
+                                           calib=str(Path(args.model) / "calibration.txt"), nsamples=args.nsamples,
+                                           seqlen=args.seqlen, device=args.device, dtype=args.dtype, overwrite=True,
+                                           progress=False, checkpoint=args.checkpoint, spill=not args.no_spill)
     wall = time.perf_counter() - start
+    peaks = rss.stop()
     cuda = args.device == "cuda"
     report = {"rank": rank, "world_size": env_world_size(), "wall_seconds": round(wall, 2),
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_host_rss_by_phase": peaks,
               "peak_gpu_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
               "peak_gpu_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
               "summary": {k: v for k, v in summary.items() if k not in ("settings",)}}
@@ -159,7 +221,7 @@ def driver(args):
     cmd = launcher + [__file__, "--worker", "--model", str(model), "--out", str(out), "--nsamples",
                       str(args.nsamples), "--seqlen", str(args.seqlen), "--dtype", args.dtype,
                       "--device", args.device] \
-        + (["--checkpoint"] if args.checkpoint else [])
+        + (["--checkpoint"] if args.checkpoint else []) + (["--no-spill"] if args.no_spill else [])
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"the quantization failed with exit code {proc.returncode}")
@@ -171,6 +233,10 @@ def driver(args):
               "nproc": args.nproc, "device": ranks[0]["device"], "dtype": ranks[0]["summary"]["dtype"],
               "checkpoint_build_seconds": round(build, 1), "seconds": split,
               "peak_host_rss_gib": round(max(r["peak_host_rss_bytes"] for r in ranks) / gib, 2),
+              "peak_host_rss_by_phase_gib": {phase: round(max(r["peak_host_rss_by_phase"].get(phase, {})
+                                                              .get("rss_bytes", 0) for r in ranks) / gib, 2)
+                                             for phase in PHASES},
+              "spill": not args.no_spill,
               "peak_gpu_allocated_gib": round(max(r["peak_gpu_allocated"] for r in ranks) / gib, 2),
               "peak_gpu_reserved_gib": round(max(r["peak_gpu_reserved"] for r in ranks) / gib, 2),
               "artifact_bytes": sum(p.stat().st_size for p in out.iterdir()),
@@ -187,6 +253,8 @@ def driver(args):
     print(f"{'phase':<10} {'seconds':>9}")
     for key in ("load", "forwards", "solver", "write", "other", "wall"):
         print(f"{key:<10} {split[key]:>9.1f}")
+    print("peak host RSS by phase (GiB, sampled every 50 ms): " + ", ".join(
+        f"{phase} {value:.2f}" for phase, value in result["peak_host_rss_by_phase_gib"].items()))
     print(f"peak host RSS {result['peak_host_rss_gib']:.2f} GiB (max over ranks); peak GPU allocated "
           f"{result['peak_gpu_allocated_gib']:.2f} GiB, reserved {result['peak_gpu_reserved_gib']:.2f} GiB; "
           f"checkpoint build {build:.0f} s (not in the wall time)")
@@ -203,6 +271,8 @@ def main():
     ap.add_argument("--nproc", type=int, default=1, help="GPUs (1, 2, 4 or 8; more than 1 runs under torchrun)")
     ap.add_argument("--dtype", default="auto", help="compute dtype (auto: the checkpoint's bf16)")
     ap.add_argument("--checkpoint", action="store_true", help="keep the per-layer resume checkpoint on")
+    ap.add_argument("--no-spill", action="store_true",
+                    help="keep finished layers' packed tensors in memory until the write (for comparison)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 7B shape (smoke test)")
     ap.add_argument("--workdir", default="build/quantize-7b",

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from quantkit import __version__
 from quantkit.errors import QuantkitError, StorageError
+from quantkit.tensorfile import TensorBytes, contents_digest, layout, write_tensor_file
 
 log = logging.getLogger(__name__)
 _WARNED_UNSEALED = set()
@@ -55,12 +55,7 @@ LAYOUT_KEY = "quantkit_layout_sha256"
 
 def tensor_digest(tensors: dict) -> str:
     """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
+    return contents_digest({name: TensorBytes.of(t) for name, t in tensors.items()})
 
 
 def file_digest(path: Path) -> str:
@@ -114,24 +109,6 @@ def _layout_digest(header: dict, where) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def finish_header(path: Path):
-    """Fill in `quantkit_layout_sha256` (written as a placeholder of the same length) and sort the
-    metadata keys, rewriting the header in place. Sorting matters because the library emits
-    `__metadata__` in hash-map order, which changes from process to process: sorted, two runs that
-    store the same tensors write the same bytes (what --resume and multi-GPU runs promise)."""
-    with open(path, "r+b") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size).decode("utf-8"))
-        meta = dict(header.pop("__metadata__", None) or {})
-        meta[LAYOUT_KEY] = _layout_digest(header, path)
-        ordered = {"__metadata__": dict(sorted(meta.items())), **header}
-        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        if len(text) > size:  # same content as the library wrote, compact: only a bug makes it longer
-            raise RuntimeError(f"{path}: rewritten header longer than the original ({len(text)} > {size})")
-        fh.seek(8)
-        fh.write(text + b" " * (size - len(text)))  # the format pads headers with spaces
-
-
 def float_tensors(model, quantized_modules, dtype=torch.float16) -> dict:
     """The model's tensors that are not replaced by quantized ones, cast to `dtype`.
 
@@ -152,9 +129,10 @@ def float_tensors(model, quantized_modules, dtype=torch.float16) -> dict:
 
 
 def _shard(tensors: dict, max_bytes: int):
+    """{name: TensorBytes} split in name order into files of at most `max_bytes` (or one tensor)."""
     shards, current, size = [], {}, 0
     for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+        nbytes = tensors[name].nbytes
         if current and size + nbytes > max_bytes:
             shards.append(current)
             current, size = {}, 0
@@ -272,20 +250,32 @@ def check_output_location(out_dir, source_path=None, estimated_bytes=None):
                                 f"{estimated_bytes / 2**30:.1f} GiB")
 
 
-def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, float_tensors: dict,
+def _quantized_entries(qtensors) -> tuple:
+    """({module: meta}, {tensor name: TensorBytes}) of the quantized modules. A store that keeps them in
+    files (engine.spill.QuantizedStore) hands out file ranges: nothing is read until it is written."""
+    if hasattr(qtensors, "stored_tensors"):
+        return qtensors.modules(), qtensors.stored_tensors()
+    modules, entries = {}, {}
+    for name, qt in qtensors.items():
+        modules[name] = qt.meta()
+        for key, value in qt.state_dict().items():
+            entries[f"{name}.{key}"] = TensorBytes.of(value)
+    return modules, entries
+
+
+def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors, float_tensors: dict,
                    quantization_config: dict, quant_log: dict, overwrite=False, max_shard_bytes=DEFAULT_SHARD_BYTES):
-    """Write the artifact atomically. qtensors: {module name: QuantizedTensor}. A failure leaves
-    neither `out_dir` (an existing one is kept) nor a temporary directory; a failed write is a
-    StorageError naming the cause (e.g. no space left on device)."""
+    """Write the artifact atomically. qtensors: {module name: QuantizedTensor}, a dict or an
+    engine.spill.QuantizedStore (whose tensors wait in files). Tensors are written one at a time, each
+    from where it is, so writing needs no memory beyond a read buffer. A failure leaves neither
+    `out_dir` (an existing one is kept) nor a temporary directory; a failed write is a StorageError
+    naming the cause (e.g. no space left on device)."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite)
     with directory_written_whole(out_dir, "the artifact") as tmp:
-        tensors = dict(float_tensors)
-        modules = {}
-        for name, qt in qtensors.items():
-            modules[name] = qt.meta()
-            for key, value in qt.state_dict().items():
-                tensors[f"{name}.{key}"] = value.detach().to("cpu").contiguous()
+        tensors = {name: TensorBytes.of(t) for name, t in float_tensors.items()}
+        modules, quantized = _quantized_entries(qtensors)
+        tensors.update(quantized)
         shards = _shard(tensors, max_shard_bytes)
         names = ["model.safetensors"] if len(shards) == 1 else \
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -296,12 +286,10 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors: dict, fl
         config_digest = _config_digest(config)  # covers the file names, not their checksums
         weight_map = {}
         for fname, shard in zip(names, shards):
-            metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": tensor_digest(shard),
-                        CONFIG_KEY: config_digest, LAYOUT_KEY: "0" * 64}  # the layout is known once written
-            save_file(shard, str(tmp / fname), metadata=metadata)
+            metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": contents_digest(shard),
+                        CONFIG_KEY: config_digest, LAYOUT_KEY: _layout_digest(layout(shard), fname)}
+            qcfg["files"][fname] = write_tensor_file(tmp / fname, shard, metadata)
             _readable_as_umask_allows(tmp / fname)
-            finish_header(tmp / fname)
-            qcfg["files"][fname] = file_digest(tmp / fname)
             weight_map.update({name: fname for name in shard})
         if len(shards) > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

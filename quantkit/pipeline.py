@@ -15,6 +15,7 @@ from quantkit.artifact import check_out_dir, check_output_location, float_tensor
 from quantkit.data import calibration_windows, check_available, eval_tokens
 from quantkit.data.calib_file import is_calibration_file
 from quantkit.engine import quantize_model
+from quantkit.engine.spill import QuantizedStore, remove_stale_spills, spill_dir
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.kernels.build import sources_digest
@@ -74,22 +75,26 @@ def output_format(quantizer, fmt=None):
     return fmt
 
 
-def convert_qtensors(qtensors: dict, fmt: str) -> dict:
-    """{module: QuantizedTensor} with every tensor in `fmt` (uniform -> bcq is the only conversion)."""
+def _convert_one(name, qt, fmt):
     from quantkit.formats.bcq import bcq_from_uniform
 
-    out = {}
-    for name, qt in qtensors.items():
-        if qt.format_name == fmt:
-            out[name] = qt
-        elif fmt == "bcq" and qt.format_name == "uniform":
-            try:
-                out[name] = bcq_from_uniform(qt)
-            except QuantkitError as exc:
-                raise QuantkitError(f"{name}: {exc}") from exc
-        else:
-            raise QuantkitError(f"{name}: cannot convert a {qt.format_name} tensor to {fmt}")
-    return out
+    if qt.format_name == fmt:
+        return qt
+    if fmt == "bcq" and qt.format_name == "uniform":
+        try:
+            return bcq_from_uniform(qt)
+        except QuantkitError as exc:
+            raise QuantkitError(f"{name}: {exc}") from exc
+    raise QuantkitError(f"{name}: cannot convert a {qt.format_name} tensor to {fmt}")
+
+
+def convert_qtensors(qtensors, fmt: str):
+    """{module: QuantizedTensor} with every tensor in `fmt` (uniform -> bcq is the only conversion). A
+    QuantizedStore (engine/spill.py) is converted one layer at a time into another store, so the converted
+    tensors wait on disk too; a dict gives a dict."""
+    if isinstance(qtensors, QuantizedStore):
+        return qtensors.converted(lambda name, qt: _convert_one(name, qt, fmt))
+    return {name: _convert_one(name, qt, fmt) for name, qt in qtensors.items()}
 
 
 def check_finite_weights(model):
@@ -239,7 +244,7 @@ class _Job:
             return type(exc)(f"{exc}{self._hint()}")
         return exc  # an interruption or a bug: the checkpoint stays for a later --resume
 
-    def quantize(self, model, adapter, quantizer, calib_ids, module_stats, progress, blocks=None):
+    def quantize(self, model, adapter, quantizer, calib_ids, module_stats, progress, blocks=None, store=None):
         from quantkit.engine.checkpoint import LayerCheckpoint
 
         if self.use_checkpoint:
@@ -252,7 +257,7 @@ class _Job:
         try:
             return quantize_model(model, adapter, quantizer, calib_ids, device=self.device, progress=progress,
                                   module_stats=module_stats, checkpoint=self.checkpoint,
-                                  offload_activations=self.offload, ranks=self.ranks, blocks=blocks)
+                                  offload_activations=self.offload, ranks=self.ranks, blocks=blocks, store=store)
         except BaseException as exc:
             failure = self._fail(exc)
             if failure is exc:
@@ -287,7 +292,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
                         nsamples=None, seqlen=2048, seed=0,
                         device=None, dtype=None, data_dir=None, overwrite=False, progress=True, fmt=None,
                         ensemble=False, val_windows=DEFAULT_VAL_WINDOWS, resume=False, checkpoint=True,
-                        offload_activations=False, lazy=True):
+                        offload_activations=False, lazy=True, spill=True):
     """Quantize `src` with `method` and write the artifact to `out`. Returns a summary dict.
     checkpoint: record every finished layer in <out>.partial/ (engine/checkpoint.py) so that a killed
     run continues with resume=True, writing the artifact an uninterrupted run would have written.
@@ -298,7 +303,10 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     `val_windows` held-out windows of the calibration dataset (quantkit/ensemble.py).
     lazy: read a local safetensors checkpoint one decoder block at a time (models/lazy.py; not with the
     whole-model passes of --ensemble and Fisher sensitivity, nor for GGUF or hub sources); lazy=False
-    loads it whole first."""
+    loads it whole first.
+    spill: keep every finished layer's quantized tensors on disk, not in memory, until the artifact is written
+    (engine/spill.py: in the layer checkpoint's files when it is on, else in a directory beside `out` that is
+    removed when the run ends); spill=False keeps them in memory, as --ensemble always does."""
     out = Path(out)
     check_out_dir(out, overwrite)
     device = resolve_device(device)
@@ -366,49 +374,59 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
 
         module_stats, sensitivity_seconds = fisher_module_stats(model, adapter, calib_ids, device)
 
-    ensemble_report = None
-    start = time.perf_counter()
-    if ensemble:
-        from quantkit.data import validation_windows
-        from quantkit.ensemble import ooc_flows, run_flows
+    store = None
+    try:
+        ensemble_report = None
+        start = time.perf_counter()
+        if ensemble:
+            from quantkit.data import validation_windows
+            from quantkit.ensemble import ooc_flows, run_flows
 
-        val_ids, val_protocol = validation_windows(calib, tokenizer, val_windows, seqlen, data_dir)
-        _, flows, qtensors, entries = run_flows(model, adapter, ooc_flows(quantizer), calib_ids, val_ids, device,
-                                                progress, module_stats)
-        ensemble_report = {"flows": flows, "validation": val_protocol}
-    else:
-        job.fingerprint = run_fingerprint(source, model, quantizer, calib_ids, device, torch_dtype)
-        qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress, blocks)
-    elapsed = time.perf_counter() - start
+            val_ids, val_protocol = validation_windows(calib, tokenizer, val_windows, seqlen, data_dir)
+            _, flows, qtensors, entries = run_flows(model, adapter, ooc_flows(quantizer), calib_ids, val_ids, device,
+                                                    progress, module_stats)
+            ensemble_report = {"flows": flows, "validation": val_protocol}
+        else:
+            job.fingerprint = run_fingerprint(source, model, quantizer, calib_ids, device, torch_dtype)
+            if spill:  # rank 0 writes the artifact; the other ranks keep only the modules' meta
+                if job.ranks.is_main:
+                    remove_stale_spills(out)
+                store = QuantizedStore(spill_dir(out), keep=job.ranks.is_main)
+            qtensors, entries = job.quantize(model, adapter, quantizer, calib_ids, module_stats, progress, blocks,
+                                             store)
+        elapsed = time.perf_counter() - start
 
-    quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
-    if ensemble_report is not None:
-        quant_config["ensemble"] = {"chosen": next(f["flow"] for f in ensemble_report["flows"] if f["chosen"]),
-                                    "flows": [f["flow"] for f in ensemble_report["flows"]]}
-    if fmt != "uniform":  # bcq; from rtn/gptq the engine kept the uniform weights (z differs by fp16 rounding)
-        qtensors = convert_qtensors(qtensors, fmt)
-        quant_config["format"] = fmt
-    summary = {"model": source.display, "method": method, "settings": quantizer.config(),
-               "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
-               "quantize_seconds": round(elapsed, 2), "load_seconds": load_seconds,
-               **({} if blocks is None else {"block_read_seconds": round(blocks.seconds, 2)}),
-               "modules_quantized": len(qtensors),
-               **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
-               **({} if ensemble_report is None else {"ensemble": ensemble_report}),
-               **job.summary(),
-               "quantkit_version": __version__, "torch": torch.__version__, "host": platform.node()}
-    quant_log = {**summary, "modules": entries}
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["use_cache"] = True
-    if native_dtype is not None:  # the checkpoint's own dtype, not the one the engine computed in
-        config["dtype"] = str(native_dtype).replace("torch.", "")
-    floats = storage_dtype(native_dtype)
-    written = time.perf_counter()
-    job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
-                                     float_tensors=float_tensors(model, qtensors, floats),
-                                     quantization_config=quant_config,
-                                     quant_log=quant_log, overwrite=overwrite))
+        quant_config = {"method": method, **quantizer.config(), "architecture": adapter.name}
+        if ensemble_report is not None:
+            quant_config["ensemble"] = {"chosen": next(f["flow"] for f in ensemble_report["flows"] if f["chosen"]),
+                                        "flows": [f["flow"] for f in ensemble_report["flows"]]}
+        if fmt != "uniform":  # bcq; from rtn/gptq the engine kept the uniform weights (z differs by fp16 rounding)
+            qtensors = convert_qtensors(qtensors, fmt)
+            quant_config["format"] = fmt
+        summary = {"model": source.display, "method": method, "settings": quantizer.config(),
+                   "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
+                   "quantize_seconds": round(elapsed, 2), "load_seconds": load_seconds,
+                   **({} if blocks is None else {"block_read_seconds": round(blocks.seconds, 2)}),
+                   "modules_quantized": len(qtensors),
+                   **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
+                   **({} if ensemble_report is None else {"ensemble": ensemble_report}),
+                   **job.summary(),
+                   "quantkit_version": __version__, "torch": torch.__version__, "host": platform.node()}
+        quant_log = {**summary, "modules": entries}
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["use_cache"] = True
+        if native_dtype is not None:  # the checkpoint's own dtype, not the one the engine computed in
+            config["dtype"] = str(native_dtype).replace("torch.", "")
+        floats = storage_dtype(native_dtype)
+        written = time.perf_counter()
+        job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
+                                         float_tensors=float_tensors(model, qtensors, floats),
+                                         quantization_config=quant_config,
+                                         quant_log=quant_log, overwrite=overwrite))
+    finally:
+        if store is not None:
+            store.remove()
     summary["write_seconds"] = round(time.perf_counter() - written, 2)
     summary["out"] = str(out)
     return summary

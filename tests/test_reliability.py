@@ -224,7 +224,7 @@ def _enospc(*args, **kwargs):
 
 def test_disk_full_while_writing_the_artifact(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "q"
-    monkeypatch.setattr("quantkit.artifact.save_file", _enospc)
+    monkeypatch.setattr("quantkit.artifact.write_tensor_file", _enospc)
     assert_fails(quantize(tiny_llama_dir, out, "--method", "rtn", "--no-checkpoint"),
                  f"could not write the artifact to {out}: No space left on device", out)
 
@@ -233,7 +233,7 @@ def test_disk_full_keeps_finished_layers_for_resume(tiny_llama_dir, tmp_path, mo
     out = tmp_path / "q"
     args = ["--method", "gptq", "--no-clip-search", *calib(small_data)]
     with monkeypatch.context() as m:
-        m.setattr("quantkit.artifact.save_file", _enospc)
+        m.setattr("quantkit.artifact.write_tensor_file", _enospc)
         result = quantize(tiny_llama_dir, out, *args)
     assert result.exit_code == 2 and not out.exists()
     assert "No space left on device; 2 finished layers are kept in" in result.output

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from quantkit.artifact import file_digest
 from quantkit.errors import CheckpointError, StorageError
+from quantkit.tensorfile import TensorBytes, write_tensor_file
 
 STATE = "state.json"
 FORMAT = "quantkit-checkpoint"
@@ -130,20 +131,25 @@ class LayerCheckpoint:
 
     # --- resume -----------------------------------------------------------------------------
 
-    def restore(self):
-        """({module: QuantizedTensor}, [log entries]) of the committed layers, files verified."""
-        from quantkit.formats.base import quantized_tensor_from_state_dict
-
-        qtensors, entries = {}, []
-        if self.state is None:
-            return qtensors, entries
-        for item in self.state["layers"]:
+    def committed_layers(self):
+        """[(layer index, file, {module: meta}, [log entries])] of the committed layers, files verified."""
+        out = []
+        for item in (self.state or {}).get("layers", []):
             path = self.dir / item["file"]
             if not path.is_file() or file_digest(path) != item["sha256"]:
                 raise CheckpointError(f"{path}: checkpoint file missing or altered; pass --overwrite to start over")
             with safe_open(str(path), framework="pt") as fh:
                 meta = fh.metadata()
-                modules = json.loads(meta["modules"])
+            out.append((item["index"], path, json.loads(meta["modules"]), json.loads(meta["entries"])))
+        return out
+
+    def restore(self):
+        """({module: QuantizedTensor}, [log entries]) of the committed layers, files verified."""
+        from quantkit.formats.base import quantized_tensor_from_state_dict
+
+        qtensors, entries = {}, []
+        for _, path, modules, layer_entries in self.committed_layers():
+            with safe_open(str(path), framework="pt") as fh:
                 tensors = {key: fh.get_tensor(key) for key in fh.keys()}
             own = {name: {} for name in modules}
             for key, value in tensors.items():
@@ -151,8 +157,12 @@ class LayerCheckpoint:
                 own[module][short] = value
             for name, module_meta in modules.items():
                 qtensors[name] = quantized_tensor_from_state_dict(module_meta, own[name])
-            entries += json.loads(meta["entries"])
+            entries += layer_entries
         return qtensors, entries
+
+    def layer_path(self, index) -> Path:
+        """The file of layer `index`'s quantized tensors (written by commit, on rank 0)."""
+        return self.dir / _layer_file(index)
 
     def load_inputs(self, start, stop):
         """The next layer's inputs of windows [start, stop), from whichever rank files hold them (so a
@@ -233,15 +243,21 @@ class LayerCheckpoint:
         self._atomic_save(tensors, self.dir / _layer_file(index), metadata)
 
     def _write_inputs(self, layer, inputs, start):
-        stop = start + inputs.shape[0]
-        self._atomic_save({"inputs": inputs.detach().to("cpu").contiguous()}, self.dir / _inputs_file(layer, start),
-                          {"start": str(start), "stop": str(stop)})
+        # one window at a time: the activations (2 GiB for 128 x 2048 x 4096 bf16, often on the GPU) never
+        # reach host memory whole
+        metadata = {"start": str(start), "stop": str(start + inputs.shape[0])}
+        entries = {"inputs": TensorBytes.by_rows(inputs)}
+        self._atomic(lambda tmp: write_tensor_file(tmp, entries, metadata), self.dir / _inputs_file(layer, start))
+
+    def _atomic_save(self, tensors, path: Path, metadata):
+        self._atomic(lambda tmp: save_file(tensors, str(tmp), metadata=metadata), path)
 
     @staticmethod
-    def _atomic_save(tensors, path: Path, metadata):
+    def _atomic(write, path: Path):
+        """write(temporary path), then rename it to `path`; nothing is left under either name on failure."""
         tmp = path.with_name(path.name + ".tmp")
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
+            write(tmp)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -17,7 +17,8 @@ one window's intermediate activations, and the calibration activations: the laye
 outputs, 2 · nsamples · seqlen · hidden values of the model dtype. With `offload_activations` those
 stay in host memory and travel to the device one window at a time (slower, and the device then
 holds about one layer plus the statistics). The host holds the model once (weights are replaced in
-place by their dequantized values) plus the packed quantized tensors.
+place by their dequantized values) plus the packed quantized tensors: all of them, or with a `store`
+(engine.spill) one layer's, the others waiting on disk.
 
 Options: `checkpoint` (engine.checkpoint) records every finished layer and resumes after the last
 one recorded; `ranks` (engine.distributed) splits windows and linears over a torchrun job with the
@@ -348,7 +349,7 @@ class _ExpertCalibration:
 
 @torch.no_grad()
 def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None, *,
-                   checkpoint=None, offload_activations=False, ranks=None, blocks=None):
+                   checkpoint=None, offload_activations=False, ranks=None, blocks=None, store=None):
     """Quantize every linear the adapter finds in `model`'s decoder blocks, in place (weights replaced
     by their dequantized values; fused MoE experts are first split into one linear per expert matrix,
     runtime.experts). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
@@ -357,7 +358,9 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     it has recorded are restored, not recomputed. `offload_activations`: keep the calibration
     activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone).
     `blocks`: a models.lazy.LazyBlocks when the blocks of `model` are on the meta device, each read when
-    its turn comes and released once its quantized tensors are taken.
+    its turn comes and released once its quantized tensors are taken. `store`: an engine.spill.QuantizedStore
+    that takes every finished layer's tensors (to disk: they do not stay in memory) and is returned in
+    place of the dict.
 
     With calibration each block's plan (models.adapters: groups of linears that read one input, in the
     order they run) is learned from one forward of the first block of its kind, on its first window."""
@@ -367,11 +370,16 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     needs_stats = bool(method.stats)
     if needs_stats and calib_ids is None:
         raise QuantkitError(f"--method {method.name} needs calibration data (--nsamples > 0)")
-    qtensors, log_entries = {}, []
+    qtensors, log_entries = {} if store is None else store, []
     first = 0
     prefix = adapter.layers_path
-    if checkpoint is not None:
+    if checkpoint is not None and store is None:
         qtensors, log_entries = checkpoint.restore()
+    elif checkpoint is not None:
+        for index, path, modules, layer_entries in checkpoint.committed_layers():
+            store.add_file(index, path, modules)
+            log_entries += layer_entries
+    if checkpoint is not None:
         first = checkpoint.layers_done
         for index in range(first if blocks is not None else 0):  # their float tensors go to the artifact too
             blocks.load_floats(index, [n for n in qtensors if n.startswith(f"{prefix}.{index}.")])
@@ -380,10 +388,13 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     position = 0  # a running count of linears, the same on every rank: decides which rank quantizes one
 
     def finish_layer(index, layer_q, layer_entries, next_inputs=None, window_start=0):
-        qtensors.update(layer_q)
         log_entries.extend(layer_entries)
         if checkpoint is not None:
             checkpoint.commit(index, layer_q, layer_entries, next_inputs, window_start)
+        if store is None:
+            qtensors.update(layer_q)
+        else:  # the checkpoint's layer file holds these very tensors: the store reads them from there
+            store.add_layer(index, layer_q, None if checkpoint is None else checkpoint.layer_path(index))
 
     if calib_ids is None:
         for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
@@ -395,20 +406,23 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
                 position += 1
             done = _quantize_together(ranks, jobs, method, device)
             layer_q = {name: qtensor for (_, name, _, _), (qtensor, _) in zip(jobs, done)}
-            finish_layer(index, layer_q, [entry for _, entry in done])
+            layer_entries = [entry for _, entry in done]
+            del done
+            finish_layer(index, layer_q, layer_entries)
             if blocks is not None:
                 blocks.release(index, layer_q)
+            del layer_q  # with a store, the layer's tensors are on disk now
         return qtensors, log_entries
 
     nwindows = calib_ids.shape[0]
     start, stop = ranks.window_range(nwindows)
-    store = "cpu" if offload_activations else device
+    inputs_home = "cpu" if offload_activations else device
     if first == 0:
-        inputs, calls = capture_layer_inputs(model, layers, calib_ids[start:stop], device, store)
+        inputs, calls = capture_layer_inputs(model, layers, calib_ids[start:stop], device, inputs_home)
     elif first < len(layers):
         # the calls (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
         _, calls = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
-        inputs = checkpoint.load_inputs(start, stop).to(store)
+        inputs = checkpoint.load_inputs(start, stop).to(inputs_home)
     shard_sizes = ranks.local_shard_sizes(nwindows)
     plans = {}
     for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
@@ -449,4 +463,5 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
         if blocks is not None:
             blocks.release(index, layer_q)
+        del layer_q  # with a store, the layer's tensors are on disk now
     return qtensors, log_entries

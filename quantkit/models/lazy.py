@@ -5,7 +5,8 @@ The model is built on the meta device (models.loading.empty_model); the tensors 
 memory-mapped shards only when the engine reaches that block (`load`), then dropped back to the meta device
 once its quantized tensors are taken (`release`: the quantized linears' weights go; the few small tensors
 the artifact stores in float, norms, biases, a MoE router, stay). Host memory is then about the tensors
-outside the blocks + one block + the calibration activations + the packed tensors made so far, not the model.
+outside the blocks + one block + the calibration activations + one layer's packed tensors (the finished
+layers' wait on disk, engine/spill.py), not the model.
 
 A checkpoint whose tensor names are not the model's own (ones transformers renames or merges while it loads,
 e.g. Mixtral's `block_sparse_moe.experts.*.w1`) is loaded whole instead (`open_lazy` returns None and says

@@ -56,9 +56,9 @@ def test_one_block_at_a_time_and_the_same_bytes_as_a_whole_load(arch, method, ti
         return {i for i, layer in enumerate(layers)
                 if any(m.weight.device.type != "meta" for m in layer.modules() if isinstance(m, torch.nn.Linear))}
 
-    def load(self, index):
+    def load(self, index, device=None):
         assert materialised(self) == set(), f"block {index} read while {materialised(self)} are in memory"
-        original_load(self, index)
+        original_load(self, index, device)
         events.append(("load", index, materialised(self)))
 
     def release(self, index, quantized=()):

@@ -428,7 +428,7 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
         layer = layers[index]
         if blocks is not None:
-            blocks.load(index)
+            blocks.load(index, device)
         layer.to(device)
         linears = adapter.linears(layer)
         block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks)

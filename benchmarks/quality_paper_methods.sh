@@ -14,7 +14,8 @@
 # reference dequantize + matmul, which the kernels are held to. The CPU extension (exact k-means of
 # SqueezeLLM and any-precision) is built once, before the processes start.
 # SET=core runs only the GPTQ, output-aware BCQ and OOC rows (nine processes), SET=anyprec the upscaled family
-# and independent SqueezeLLM at 4..8 bits (six processes), for a machine with less time.
+# and independent SqueezeLLM at 4..8 bits (six processes), for a machine with less time; SET=anyprec-rules the
+# upscaling rules side by side (split, gptq with bands 0.25 / 0.5 / 1 and two sweeps) with SqueezeLLM 3 and 4.
 # Each process gets QUANTKIT_THREADS host threads (default 1): seventeen processes with torch's default pool
 # on 16 cores spend their time waiting for each other.
 set -u
@@ -46,6 +47,13 @@ run() {
 if [[ ${SET:-all} == anyprec ]]; then  # the upscaled family against independent SqueezeLLM, one width a process
   run ap --config "anyprec:-:-:sensitivity=fisher,eval_bits=3/4/5/6/7/8"
   for q in 4 5 6 7 8; do run "sq$q" --config "squeezellm:$q:-:sensitivity=fisher"; done
+elif [[ ${SET:-all} == anyprec-rules ]]; then  # every width of each rule against independent SqueezeLLM
+  run sq34 --config "squeezellm:3:-:sensitivity=fisher" --config "squeezellm:4:-:sensitivity=fisher"
+  run ap-split --config "anyprec:-:-:sensitivity=fisher,upscale=split,eval_bits=3/4/5/6/7/8"
+  run ap-gptq --config "anyprec:-:-:sensitivity=fisher,eval_bits=4/5/6/7/8"
+  run ap-gptq-b25 --config "anyprec:-:-:sensitivity=fisher,band=0.25,eval_bits=4/5/6/7/8"
+  run ap-gptq-b100 --config "anyprec:-:-:sensitivity=fisher,band=1.0,eval_bits=4/5/6/7/8"
+  run ap-gptq-s2 --config "anyprec:-:-:sensitivity=fisher,sweeps=2,eval_bits=4/5/6/7/8"
 elif [[ ${SET:-all} == core ]]; then
   for q in 2 3 4; do
     run "gptq$q" --config "gptq:$q:128"

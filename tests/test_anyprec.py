@@ -57,7 +57,8 @@ def test_bitplane_round_trip(bits, d):
 
 def _anyprec(weight, stats, seed=3, parent=8, sensitivity="activation"):
     # the k-means tables: what the upscaling tests are about (the output refit has its own tests below)
-    method = make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity, table_refit="none")
+    method = make_method("anyprec", seed_bits=seed, parent_bits=parent, sensitivity=sensitivity, table_refit="none",
+                         upscale="split")
     return method.quantize(weight, stats)[0]
 
 
@@ -154,7 +155,7 @@ def test_cli_quantize_and_eval_bits(tiny_llama_dir, tmp_path, data_dir):
     runner = CliRunner()
     result = runner.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--method", "anyprec", "--seed-bits", "2",
                                   "--parent-bits", "3", "--sensitivity", "none", "--table-refit", "none",
-                                  "--out", str(out), "--data-dir", str(data_dir)])
+                                  "--upscale", "split", "--out", str(out), "--data-dir", str(data_dir)])
     assert result.exit_code == 0, result.output
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["seed_bits"] == 2 and cfg["parent_bits"] == 3 and cfg["sensitivity"] == "none"
@@ -242,7 +243,7 @@ def test_preset_is_the_paper_setting_with_method_defaults():
     assert values.pop("method") == "anyprec"
     method = make_method("anyprec", **values)
     assert (method.seed_bits, method.parent_bits, method.sensitivity) == (3, 8, "fisher")
-    assert method.config()["upscale"] == "split"  # recorded, not a setting
+    assert method.config()["upscale"] == make_method("anyprec").config()["upscale"]  # the method's default
 
 
 @pytest.mark.parametrize("bad", ["weight_nan", "weight_inf", "sens_inf", "sens_negative"])
@@ -275,8 +276,13 @@ def test_table_refit_never_raises_a_rows_output_error_and_helps_overall():
     from quantkit.methods.table_refit import refit_table
 
     weight, stats = _correlated_problem()
-    plain, _ = make_method("anyprec", seed_bits=3, parent_bits=6, table_refit="none").quantize(weight, stats)
-    refit, info = make_method("anyprec", seed_bits=3, parent_bits=6).quantize(weight, stats)
+    settings = {"seed_bits": 3, "parent_bits": 6, "upscale": "split"}
+    plain, _ = make_method("anyprec", table_refit="none", **settings).quantize(weight, stats)
+    refit, info = make_method("anyprec", refit_seed=True, **settings).quantize(weight, stats)
+    seed_kept, _ = make_method("anyprec", **settings).quantize(weight, stats)
+    # without refit_seed the seed keeps its k-means table (independent SqueezeLLM), the widths above are refitted
+    assert torch.equal(seed_kept.luts[3], plain.luts[3])
+    assert all(torch.equal(seed_kept.luts[b], refit.luts[b]) for b in range(4, 7))
     assert torch.equal(plain.planes, refit.planes)  # codes fixed: only the tables move
     for b in range(3, 7):
         before = _output_errors(weight, plain.dequantize(bits=b), stats["xtx"])

@@ -213,7 +213,8 @@ def test_methods_use_the_native_path():
     sens = sens + 1e-6 * sens.mean()
     sq, info = make_method("squeezellm", bits=3).quantize(weight, stats)
     assert info["weighted_sse"] == pytest.approx(kn.native_kmeans_exact(weight, sens, 8).sum().item(), rel=1e-9)
-    split, info = make_method("anyprec", seed_bits=3, parent_bits=6, table_refit="none").quantize(weight, stats)
+    split, info = make_method("anyprec", seed_bits=3, parent_bits=6, table_refit="none",
+                              upscale="split").quantize(weight, stats)
     assert torch.equal(sq.dequantize(), split.dequantize(bits=3))  # split keeps the squeezellm seed
     for b in range(3, 7):
         assert torch.equal(split.codes(b), split.codes() >> (6 - b))
@@ -228,7 +229,7 @@ def test_fallback_without_the_extension(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the method runs on the torch path without a word
         qt, _ = make_method("anyprec", seed_bits=2, parent_bits=3, sensitivity="none",
-                            table_refit="none").quantize(weight, None)
+                            table_refit="none", upscale="split").quantize(weight, None)
     for b in (2, 3):
         assert torch.equal(qt.codes(b), qt.codes() >> (3 - b))
 
@@ -261,7 +262,7 @@ def test_no_kernels_cuda_keeps_the_cpu_extension(monkeypatch, tmp_path):
 
 @needs_ext
 def test_cli_records_the_upscale_rule(tiny_llama_dir, tmp_path, data_dir):
-    """split is the one rule: not a command-line choice, but every anyprec artifact records it."""
+    """--upscale is a command-line choice every anyprec artifact records; a dropped rule is refused."""
     import json
 
     from click.testing import CliRunner
@@ -272,7 +273,7 @@ def test_cli_records_the_upscale_rule(tiny_llama_dir, tmp_path, data_dir):
     runner = CliRunner()
     result = runner.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--method", "anyprec", "--seed-bits", "2",
                                   "--parent-bits", "3", "--sensitivity", "none", "--table-refit", "none",
-                                  "--out", str(out), "--data-dir", str(data_dir)])
+                                  "--upscale", "split", "--out", str(out), "--data-dir", str(data_dir)])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["upscale"] == "split"
     result = runner.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--method", "anyprec",

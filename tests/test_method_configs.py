@@ -25,7 +25,8 @@ NON_DEFAULT = {
     "bcq": {"bits": 1, "group_size": 32, "offset": True, "solver": "weight", "rounds": 0, "refits": 2,
             "init": "uniform", "damp": 0.05, "act_order": False, "block_size": 64, "clip_search": False},
     "squeezellm": {"bits": 4, "sensitivity": "none", "table_refit": "output"},
-    "anyprec": {"seed_bits": 2, "parent_bits": 5, "sensitivity": "fisher", "table_refit": "none"},
+    "anyprec": {"seed_bits": 2, "parent_bits": 5, "sensitivity": "fisher", "table_refit": "none", "upscale": "split",
+                "refit_seed": True, "damp": 0.05, "act_order": False, "sweeps": 2, "band": 0.25},
     "ooc": {"low_bits": 3, "high_bits": 4, "clear_fraction": 0.25, "scan": 0.0, "group_size": 32, "sym": True,
             "damp": 0.1, "per_row": True, "block_size": 32, "act_order": False, "static_groups": False,
             "clip_search": False},
@@ -107,7 +108,7 @@ def test_each_setting_refuses_bad_values_in_one_line(name):
     ("anyprec", {"seed_bits": 4, "parent_bits": 3}, "--parent-bits 3 is below --seed-bits 4"),
     ("gptq", {"percdamp": 0.1}, "--method gptq does not take percdamp"),
     ("ooc", {"impl": "naive"}, "--method ooc does not take impl"),  # recorded, not a setting
-    ("anyprec", {"upscale": "split"}, "--method anyprec does not take upscale"),
+    ("anyprec", {"level_weights": [1, 1]}, "--method anyprec does not take level_weights"),
 ])
 def test_cross_setting_rules_and_unknown_settings(name, settings, fragment):
     with pytest.raises(QuantkitError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -126,8 +127,9 @@ def test_recorded_settings_keep_their_order_and_fixed_values():
                                                  "sym", "damp", "per_row", "block_size", "act_order",
                                                  "static_groups", "clip_search", "impl"]
     assert make_method("ooc").config()["impl"] == "batch"
-    assert list(make_method("anyprec").config())[-2:] == ["upscale", "level_weights"]
-    assert make_method("anyprec").config()["upscale"] == "split"
+    assert list(make_method("anyprec").config())[:5] == ["seed_bits", "parent_bits", "sensitivity", "table_refit",
+                                                         "upscale"]
+    assert list(make_method("anyprec").config())[-1] == "level_weights"
     assert make_method("anyprec").config()["level_weights"] is None
 
 
@@ -195,7 +197,7 @@ def test_shipped_presets_are_valid(preset, recorded):
 
 @pytest.mark.parametrize("text,fragment", [
     ("method: ooc\nimpl: naive\n", "unknown option 'impl'"),
-    ("method: anyprec\nupscale: joint\n", "unknown option 'upscale'"),
+    ("method: anyprec\nlevel_weights: [1, 1]\n", "unknown option 'level_weights'"),
     ("method: gptq\nbits: 12\n", "p.yaml: --bits must be an integer in 2..8, got 12"),
     ("method: ooc\nscan: 1.5\n", "p.yaml: --scan must be a number in [0, 1], got 1.5"),
     ("method: squeezellm\nsensitivity: hessian\n", "sensitivity: 'hessian' is not one of"),

@@ -7,17 +7,25 @@ the weighted means of the b-bit clusters (the optimal centroids for the nested a
 anyprec tensor: parent_bits bitplanes + one LUT per width in seed..parent. Vectorised over rows.
 
 When the C++ extension builds (kmeans_native.py) it does all of this instead, with an exact k-means seed
-and the same exact splits; without it the torch path below runs. Then, by default (table_refit "output"),
-every width's table is refitted to the calibration output error with its codes fixed (table_refit.py):
-the splits cannot move the coarser cuts, but each width's table can follow the output error for free.
+and the same exact splits; without it the torch path below runs. With table_refit "output" every width's
+table above the seed (the seed's too with refit_seed) is refitted to the calibration output error with its
+codes fixed (table_refit.py). That is upscale "split", the paper's rule.
+
+upscale "gptq" (the default) keeps the seed (codes and k-means table: independent SqueezeLLM at seed_bits)
+and chooses every extra bit in GPTQ's column sweep on the calibration output error instead
+(upscale_gptq.py), each width's table refitted to it, a row keeping the split where that is better.
 """
+
+import torch
 
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.methods.base import Method, register_method
 from quantkit.methods.configs import AnyPrecisionConfig
+from quantkit.methods.gptq import inverse_cholesky, prepare_hessian
 from quantkit.methods.kmeans import split_runs
 from quantkit.methods.kmeans_native import native_anyprec
 from quantkit.methods.squeezellm import refit_stats, refit_tables, seed_clusters, sensitivity_weights
+from quantkit.methods.upscale_gptq import gptq_upscale
 
 
 def upscale(sr, starts, centroids, seed_bits, parent_bits):
@@ -36,22 +44,40 @@ class AnyPrecision(Method):
 
     @property
     def stats(self):
-        return refit_stats(self.sensitivity, self.table_refit)
+        stats = refit_stats(self.sensitivity, self.table_refit)
+        return stats if self.upscale == "split" or "hessian" in stats else ("hessian", *stats)
 
     def quantize(self, weight, stats):
         sens = sensitivity_weights(weight, stats, self.sensitivity)
-        native = native_anyprec(weight, sens, self.seed_bits, self.parent_bits)
+        top = self.parent_bits if self.upscale == "split" else self.seed_bits
+        native = native_anyprec(weight, sens, self.seed_bits, top)
         if native is not None:
-            codes, luts = native.codes, native.luts
+            codes, luts = native.codes.to(torch.int64), native.luts
             info = {"seed_weighted_sse": native.sse[self.seed_bits].sum().item(),
-                    "parent_weighted_sse": native.sse[self.parent_bits].sum().item()}
+                    "parent_weighted_sse": native.sse[top].sum().item()}
         else:
             sr, starts, centroids = seed_clusters(weight, sens, self.seed_bits)
-            seed_sse = sr.run_sse(starts).sum().item()
-            starts, luts = upscale(sr, starts, centroids, self.seed_bits, self.parent_bits)
+            info = {"seed_weighted_sse": sr.run_sse(starts).sum().item()}
+            starts, luts = upscale(sr, starts, centroids, self.seed_bits, top)
             codes = sr.codes(starts)
-            info = {"seed_weighted_sse": seed_sse, "parent_weighted_sse": sr.run_sse(starts).sum().item()}
-        if self.table_refit == "output":
-            luts, rows = refit_tables(weight, codes, luts, self.parent_bits, stats)
-            info["table_refit_rows"] = rows
+            info["parent_weighted_sse"] = sr.run_sse(starts).sum().item()
+        refit = self.table_refit == "output"
+        if refit:  # the seed's table only with refit_seed: else the seed is independent SqueezeLLM exactly
+            widths = {b: t for b, t in luts.items() if b > self.seed_bits or self.refit_seed}
+            refitted, info["table_refit_rows"] = refit_tables(weight, codes, widths, top, stats)
+            luts.update(refitted)
+        if self.upscale == "gptq":
+            codes, luts, info["gptq_rows"] = self._gptq_upscale(weight, sens, stats, codes, luts[self.seed_bits], refit)
         return AnyPrecisionTensor.from_codes(codes, luts, self.seed_bits, self.parent_bits), info
+
+    def _gptq_upscale(self, weight, sens, stats, seed_codes, seed_table, refit):
+        """upscale_gptq.py from the seed, with methods/gptq.py's Hessian, act-order and damping."""
+        h, _ = prepare_hessian(stats["xtx"], stats["nsamples"], weight.float())
+        perm, hp = None, h
+        if self.act_order:
+            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+            hp = h[perm][:, perm]
+        u, _ = inverse_cholesky(hp, float(self.damp))
+        return gptq_upscale(weight.float(), sens, h, u, perm, seed_codes, seed_table, self.seed_bits,
+                            self.parent_bits, refit=refit, sweeps=self.sweeps,
+                            band=self.band)

@@ -152,10 +152,20 @@ class AnyPrecisionConfig(MethodConfig):
     parent_bits: int = integer(8, "Bits of the parent model, upscaled from the seed.", 1, 8)
     sensitivity: str = _sensitivity()
     table_refit: str = _table_refit("output")
-    # recorded, not chosen: every anyprec artifact stores how it was upscaled, so these keys stay to keep the
-    # quantization_config unchanged; split (each cluster cut at its exact 2-means point, the paper's rule) is
-    # the only rule, and level_weights (a parameter of another rule) is always None
-    upscale: str = fixed("split")
+    upscale: str = choice("gptq", "How each extra bit is chosen: the exact weighted 2-means cut of every cluster "
+                                  "(split, the paper's rule) or per weight in GPTQ's column sweep on the calibration "
+                                  "output error, kept per row where it beats split (gptq; needs calibration data).",
+                          ("gptq", "split"))
+    refit_seed: bool = flag(False, "With --table-refit output, refit the seed width's table too; off keeps the seed "
+                                   "exactly independent SqueezeLLM at --seed-bits.")
+    damp: float = _damp()
+    act_order: bool = _act_order()
+    sweeps: int = integer(1, "gptq upscaling: column sweeps per width (the first on the split's table, each later "
+                             "one on the table refitted to the previous sweep's codes).", 1)
+    band: float = number(0.5, "gptq upscaling: a weight may take the child its error-updated value is nearer to only "
+                              "within band x half the children's gap of their midpoint (0: the split's child "
+                              "always, 1: anywhere between the two).", 0, 1, low_open=False)
+    # recorded, not chosen: a parameter of a dropped rule, kept so that the quantization_config keeps its keys
     level_weights: object = fixed(None)
 
     def check(self):

@@ -27,9 +27,13 @@ _TINY = 1e-300
 
 
 class SortedRows:
-    """Rows of x sorted ascending, with the permutation and fp64 prefix sums of w, w·x, w·x²."""
+    """Rows of x sorted ascending, with the permutation and fp64 prefix sums of w, w·x, w·x².
 
-    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+    `order` [R, n] replaces the sort by any per-row permutation (grouped_rows: members of a cluster
+    together, each cluster sorted); the run statistics and exact splits then hold for those runs, the
+    searches over the whole sorted row (starts_for, the Lloyd splits) do not."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, order: torch.Tensor = None):
         x = x.to(torch.float64)
         w = w.to(torch.float64).expand_as(x)
         # the prefix sums would turn one bad value into NaN centroids for its whole row
@@ -37,7 +41,11 @@ class SortedRows:
             raise QuantkitError("k-means: a weight is not finite (NaN or Inf)")
         if not (torch.isfinite(w).all() and (w >= 0).all()):
             raise QuantkitError("k-means: a sensitivity is negative or not finite (NaN or Inf)")
-        self.xs, self.perm = torch.sort(x, dim=1)
+        if order is None:
+            self.xs, self.perm = torch.sort(x, dim=1)
+        else:
+            self.perm = order.to(device=x.device, dtype=torch.int64)
+            self.xs = torch.gather(x, 1, self.perm)
         ws = torch.gather(w, 1, self.perm)
         zero = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
         self.pw = torch.cat([zero, ws.cumsum(1)], 1)
@@ -82,6 +90,19 @@ class SortedRows:
         pos = torch.arange(self.n, device=self.xs.device).expand(self.rows, self.n).contiguous()
         run = torch.searchsorted(starts[:, 1:-1].contiguous(), pos, right=True)
         return torch.empty_like(run).scatter_(1, self.perm, run)
+
+
+def grouped_rows(x: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, k: int):
+    """Clusters of any shape as runs: (SortedRows ordered by (code, value), starts [R, k+1]); run j holds
+    the members of code j (codes int [R, n] in [0, k)), sorted, so split_runs(exact=True) cuts each
+    cluster at its best weighted 2-means point."""
+    codes = codes.to(device=x.device, dtype=torch.int64)
+    order = torch.argsort(x, dim=1, stable=True)
+    order = order.gather(1, torch.argsort(codes.gather(1, order), dim=1, stable=True))
+    counts = torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(1, codes, torch.ones_like(codes))
+    starts = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)], 1)
+    return SortedRows(x, w, order), starts
 
 
 def quantile_init(sr: SortedRows, k: int):

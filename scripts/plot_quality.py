@@ -23,7 +23,9 @@ def series_name(row):
     if method == "squeezellm":
         return "SqueezeLLM" + (" + table refit" if settings.get("table_refit") == "output" else "")
     if method == "anyprec":
-        return "any-precision" + (" (k-means tables)" if settings.get("table_refit") == "none" else "")
+        if settings.get("upscale", "split") == "split":
+            return "any-precision, split upscaling"
+        return "any-precision" + (f" band {settings['band']}" if settings.get("band", 0.5) != 0.5 else "")
     if method == "gptq":
         return f"GPTQ g{settings.get('group_size')}"
     return {"rtn": "RTN", "ooc": "OOC"}.get(method)

@@ -401,8 +401,7 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
             quant_config["ensemble"] = {"chosen": next(f["flow"] for f in ensemble_report["flows"] if f["chosen"]),
                                         "flows": [f["flow"] for f in ensemble_report["flows"]]}
         if fmt != "uniform":  # bcq; from rtn/gptq the engine kept the uniform weights (z differs by fp16 rounding)
-            qtensors = convert_qtensors(qtensors, fmt)
-            quant_config["format"] = fmt
+            quant_config["format"] = fmt  # converted in write(): on the writing rank, where a failure is shared
         summary = {"model": source.display, "method": method, "settings": quantizer.config(),
                    "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
                    "quantize_seconds": round(elapsed, 2), "load_seconds": load_seconds,
@@ -420,10 +419,14 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
             config["dtype"] = str(native_dtype).replace("torch.", "")
         floats = storage_dtype(native_dtype)
         written = time.perf_counter()
-        job.write(lambda: write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=qtensors,
-                                         float_tensors=float_tensors(model, qtensors, floats),
-                                         quantization_config=quant_config,
-                                         quant_log=quant_log, overwrite=overwrite))
+
+        def write():
+            stored = qtensors if fmt == "uniform" else convert_qtensors(qtensors, fmt)
+            write_artifact(out, model_config=config, tokenizer=tokenizer, qtensors=stored,
+                           float_tensors=float_tensors(model, stored, floats), quantization_config=quant_config,
+                           quant_log=quant_log, overwrite=overwrite)
+
+        job.write(write)
     finally:
         if store is not None:
             store.remove()

@@ -146,3 +146,16 @@ def loader_never_called(monkeypatch):
 
     monkeypatch.setattr(pipeline, "load_tokenizer", never)
     monkeypatch.setattr(pipeline, "load_model", never)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny
+    matrices run far faster so on a shared CPU, and subprocesses started with OMP_NUM_THREADS=1 then do
+    their arithmetic the same way as the test process."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -26,12 +26,7 @@ NEW_TOKENS = 8  # Gemma's sliding window is 8 tokens: prompt + new tokens run pa
 PPL_SEQLEN, PPL_WINDOWS = 64, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,7 @@ MOE = ("qwen3_moe", "mixtral")
 NSAMPLES, SEQLEN, TOP_K = 4, 32, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 @pytest.fixture(scope="module")

@@ -87,12 +87,7 @@ def seeded_llama_dir(tmp_path_factory, tiny_tokenizer):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

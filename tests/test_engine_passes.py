@@ -52,7 +52,7 @@ def test_half_activation_gram_is_an_fp32_sum_of_exact_products(dtype):
     total = torch.zeros(width, width, device="cuda")
     add_gram(total, x)
     add_gram(total, x)  # accumulates onto what is there
-    assert stats._half_gemm_fp32_out is True  # the tensor-core path ran, not the fp32 fallback
+    assert stats.half_gemm_fp32_out(dtype)  # the tensor-core path ran, not the fp32 fallback
     exact = 2 * (x.double().t() @ x.double())
     # fp32 sums of 2·tokens exact products: |error| ≤ n·2⁻²⁴·Σ|xᵢxⱼ|; a half-precision result would be ~2⁻⁸ off
     bound = 2 * tokens * 2.0**-24 * 2 * (x.double().abs().t() @ x.double().abs())

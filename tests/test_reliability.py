@@ -20,13 +20,7 @@ from quant_logs import strip_volatile
 from quantkit.cli import main
 from quantkit.engine.checkpoint import checkpoint_dir
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: much faster on a shared CPU
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 def run(*args):

@@ -6,7 +6,6 @@ import os
 import subprocess
 
 import pytest
-import torch
 
 import kill_after_layer
 from factories import save_tiny, tiny_causal_lm
@@ -18,14 +17,7 @@ from quantkit.pipeline import quantize_checkpoint
 LAYERS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices run far faster on one thread on a shared CPU; the killed subprocesses use one
-    too (OMP_NUM_THREADS=1), so every run does its arithmetic the same way."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 @pytest.fixture(scope="module")

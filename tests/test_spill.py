@@ -28,12 +28,7 @@ from quantkit.pipeline import quantize_checkpoint
 LAYERS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def test_diagonal_hessian_gives_the_split_codes():
 
 
 @pytest.mark.parametrize("table_refit", ["output", "none"])
-def test_codes_nested_seed_exact_and_output_error_below_split(table_refit):
+def test_codes_nested_seed_exact_and_output_error_below_split_at_4_and_5_bits_near_it_at_6(table_refit):
     weight, stats = _problem()
     settings = {"seed_bits": 3, "parent_bits": 6, "table_refit": table_refit}
     split, _ = make_method("anyprec", upscale="split", **settings).quantize(weight, stats)

@@ -14,6 +14,7 @@ left. A store with keep=False (the ranks other than 0 of a torchrun job, which d
 keeps the modules' meta and nothing else.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ def remove_stale_spills(out):
     """Delete the spill directories of earlier runs to `out` whose process is gone (a killed run cannot
     clean up after itself); a directory of a live process is left alone."""
     out = Path(out)
-    for path in out.parent.glob(f".{out.name}.spill-*"):
+    for path in out.parent.glob(f".{glob.escape(out.name)}.spill-*"):
         pid = path.name.rpartition("-")[2]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
@@ -127,6 +128,12 @@ class QuantizedStore(Mapping):
 
     def __iter__(self):
         return iter(self._meta)
+
+    def __contains__(self, name):  # from memory: Mapping's default would read the module from disk
+        return name in self._meta
+
+    def keys(self):
+        return self._meta.keys()
 
     def __len__(self):
         return len(self._meta)

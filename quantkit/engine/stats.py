@@ -3,7 +3,24 @@
 import torch
 
 _HALF = (torch.float16, torch.bfloat16)
-_half_gemm_fp32_out = None  # whether torch.mm(..., out_dtype=float32) runs here; probed on first CUDA use
+_half_gemm_fp32_out = {}  # dtype -> whether torch.mm(..., out_dtype=float32) exists for it on CUDA here
+
+
+def half_gemm_fp32_out(dtype) -> bool:
+    """Whether this torch multiplies CUDA fp16/bf16 matrices into an fp32 result (`out_dtype`), decided once
+    per process on a 1×1 probe, so that the path, and so the artifact's bits, never depends on how the
+    first real call went (an out-of-memory error there is raised, not taken for a missing feature)."""
+    if dtype not in _half_gemm_fp32_out:
+        probe = torch.ones(1, 1, dtype=dtype, device="cuda")
+        try:
+            _half_gemm_fp32_out[dtype] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, NotImplementedError):
+            _half_gemm_fp32_out[dtype] = False
+        except RuntimeError as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            _half_gemm_fp32_out[dtype] = False
+    return _half_gemm_fp32_out[dtype]
 
 
 def add_gram(total: torch.Tensor, x: torch.Tensor):
@@ -14,16 +31,9 @@ def add_gram(total: torch.Tensor, x: torch.Tensor):
     first is (only the order of the additions differs), at tensor-core rather than fp32 speed, which made
     the Gram the largest cost of a 7B calibration pass. Elsewhere (CPU, fp32 models, a torch without
     `out_dtype`) x is converted to fp32."""
-    global _half_gemm_fp32_out
-    if x.is_cuda and x.dtype in _HALF and _half_gemm_fp32_out is not False:
-        try:
-            total.add_(torch.mm(x.t(), x, out_dtype=torch.float32))
-            _half_gemm_fp32_out = True
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            if _half_gemm_fp32_out:  # it worked before: this is a real failure (e.g. out of memory)
-                raise
-            _half_gemm_fp32_out = False
+    if x.is_cuda and x.dtype in _HALF and half_gemm_fp32_out(x.dtype):
+        total.add_(torch.mm(x.t(), x, out_dtype=torch.float32))
+        return
     x = x.to(torch.float32)
     total.addmm_(x.t(), x)
 

@@ -53,14 +53,16 @@ class AnyPrecision(Method):
         native = native_anyprec(weight, sens, self.seed_bits, top)
         if native is not None:
             codes, luts = native.codes.to(torch.int64), native.luts
-            info = {"seed_weighted_sse": native.sse[self.seed_bits].sum().item(),
-                    "parent_weighted_sse": native.sse[top].sum().item()}
+            info = {"seed_weighted_sse": native.sse[self.seed_bits].sum().item()}
+            if top > self.seed_bits:  # the gptq rule upscales later: its parent's SSE is not known here
+                info["parent_weighted_sse"] = native.sse[top].sum().item()
         else:
             sr, starts, centroids = seed_clusters(weight, sens, self.seed_bits)
             info = {"seed_weighted_sse": sr.run_sse(starts).sum().item()}
             starts, luts = upscale(sr, starts, centroids, self.seed_bits, top)
             codes = sr.codes(starts)
-            info["parent_weighted_sse"] = sr.run_sse(starts).sum().item()
+            if top > self.seed_bits:
+                info["parent_weighted_sse"] = sr.run_sse(starts).sum().item()
         refit = self.table_refit == "output"
         if refit:  # the seed's table only with refit_seed: else the seed is independent SqueezeLLM exactly
             widths = {b: t for b, t in luts.items() if b > self.seed_bits or self.refit_seed}

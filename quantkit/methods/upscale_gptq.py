@@ -99,7 +99,9 @@ def gptq_upscale(weight, sens, h, u, perm, seed_codes, seed_table, seed_bits, pa
                  sweeps=1, band=None, block_size=128):
     """Upscale the seed (codes [k, d], table [k, 2^seed_bits]) to parent_bits by the module's rule.
 
-    weight [k, d] (fp32 or fp64; dead columns as prepare_hessian left them), sens the k-means weights
+    weight [k, d] (fp32 or fp64, as stored: dead columns keep their values, and with prepare_hessian's
+    H_ii = 1 for them their error counts as plain weight error, so a dead input's child is still the nearer
+    one), sens the k-means weights
     (broadcastable to weight), h [d, d] the Hessian the output error is measured with (original column
     order), u / perm as in child_sweep. refit: refit every table above the seed to L (else the weighted
     cluster means). Returns (parent codes int64 [k, d], {b: table [k, 2^b]} for b = seed..parent,

@@ -41,6 +41,7 @@ import torch
 
 from quantkit.formats.uniform import CLIP_GRID, CLIP_MAX_SHRINK, CLIP_NORM, MIN_SCALE, num_groups, uniform_params
 from quantkit.methods.base import effective_group_size
+from quantkit.methods.error_feedback import column_sweep
 
 _STOP_REL = 1e-7  # a round that lowers the total error by less than this fraction ends the alternation
 _RIDGE = 1e-9  # relative ridge of the refit's normal equations (planes can coincide inside a group)
@@ -140,20 +141,14 @@ def sweep(w, u, perm, values, g, block_size):
     cols = torch.arange(d, device=w.device) if perm is None else perm
     col_group = (cols // g).tolist()
     idx = torch.empty(k, d, dtype=torch.int64, device=w.device)
-    for i1 in range(0, d, block_size):
-        i2 = min(i1 + block_size, d)
-        w1 = work[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = col_group[i1 + i]
-            col = w1[:, i]
-            pos = (mids[:, j] < col[:, None]).sum(dim=1, keepdim=True)  # as searchsorted: ties go down
-            idx[:, i1 + i] = order[:, j].gather(1, pos).squeeze(1)
-            e = (col - ordered[:, j].gather(1, pos).squeeze(1)) / u1[i, i]
-            w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
-            err1[:, i] = e
-        work[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1)
+
+    def nearest(c, col):
+        j = col_group[c]
+        pos = (mids[:, j] < col[:, None]).sum(dim=1, keepdim=True)  # as searchsorted: ties go down
+        idx[:, c] = order[:, j].gather(1, pos).squeeze(1)
+        return ordered[:, j].gather(1, pos).squeeze(1)
+
+    column_sweep(work, u, nearest, block_size)
     if perm is not None:
         idx = idx[:, torch.argsort(perm)]
     return idx

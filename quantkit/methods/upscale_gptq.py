@@ -31,6 +31,7 @@ puts every member at its nearer mean. The seed's codes and table are the caller'
 import torch
 
 from quantkit.methods.bcq_output import output_error
+from quantkit.methods.error_feedback import column_sweep
 from quantkit.methods.kmeans import grouped_rows, split_runs
 from quantkit.methods.table_refit import refit_table
 
@@ -69,22 +70,15 @@ def child_sweep(weight, u, perm, parent, table, block_size=128, band=None):
         fixed = (work - (low + high) / 2).abs() > band * (high - low).abs() / 2
         fixed_up = (work - high).abs() < (work - low).abs()
     bit = torch.empty(k, d, dtype=torch.bool, device=weight.device)
-    for i1 in range(0, d, block_size):
-        i2 = min(i1 + block_size, d)
-        w1 = work[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            c = i1 + i
-            col = w1[:, i]
-            up = (col - high[:, c]).abs() < (col - low[:, c]).abs()
-            if fixed is not None:
-                up = torch.where(fixed[:, c], fixed_up[:, c], up)
-            bit[:, c] = up
-            e = (col - torch.where(up, high[:, c], low[:, c])) / u1[i, i]
-            w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
-            err1[:, i] = e
-        work[:, i2:].addmm_(err1, u[i1:i2, i2:], alpha=-1)
+
+    def nearer_child(c, col):
+        up = (col - high[:, c]).abs() < (col - low[:, c]).abs()
+        if fixed is not None:
+            up = torch.where(fixed[:, c], fixed_up[:, c], up)
+        bit[:, c] = up
+        return torch.where(up, high[:, c], low[:, c])
+
+    column_sweep(work, u, nearer_child, block_size)
     if perm is not None:
         bit = bit[:, torch.argsort(perm)]
     return 2 * parent + bit.to(parent.dtype)

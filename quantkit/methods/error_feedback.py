@@ -1,6 +1,6 @@
-"""GPTQ's column loop with a pluggable rounding rule, for the methods that run it on a grid of their own
-(output-aware BCQ, the gptq upscaling of any-precision). methods/gptq.py keeps its own loop: its groups'
-parameters are made inside the loop.
+"""GPTQ's column loop with a pluggable rounding rule, for the methods that run it on grids of their own
+(output-aware BCQ, OOC's two-tier grids, the gptq upscaling of any-precision). methods/gptq.py keeps its own
+loop: its groups' parameters are made inside it.
 
 Columns are taken in processing order; each column's rounding error, divided by the diagonal entry of the
 upper Cholesky factor U of H⁻¹, goes to the columns not yet quantized through that row of U: at once inside

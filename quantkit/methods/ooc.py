@@ -44,6 +44,7 @@ from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, uniform
 from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.configs import OOCConfig
+from quantkit.methods.error_feedback import column_sweep
 from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
 
 
@@ -182,27 +183,20 @@ def ooc_gptq_static(w, h_inv, low_bits, high_bits, g, sym, clear_mask, block_siz
     work = w[:, order].expand(c, k, d).reshape(c * k, d).clone()
     codes = torch.empty(c, k, d, dtype=torch.int64, device=w.device)
     dq = torch.empty(c, k, d, dtype=w.dtype, device=w.device)
-    for i1 in range(0, d, block_size):
-        i2 = min(i1 + block_size, d)
-        w1 = work[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = h_inv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col_index = i1 + i
-            j = col_group[col_index]
-            is_clear = clear[:, col_index, None]
-            s = torch.where(is_clear, hscales, scales[:, :, j]).reshape(c * k)
-            z = torch.where(is_clear, hzeros, zeros[:, :, j]).reshape(c * k)
-            top = maxq[:, col_index, None].expand(c, k).reshape(c * k)
-            col = w1[:, i]
-            q = torch.minimum(torch.clamp(torch.round(col / s) + z, min=0), top)
-            codes[:, :, col_index] = q.to(torch.int64).reshape(c, k)
-            deq = (q - z) * s
-            dq[:, :, col_index] = deq.reshape(c, k)
-            e = (col - deq) / u1[i, i]
-            w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
-            err1[:, i] = e
-        work[:, i2:].addmm_(err1, h_inv[i1:i2, i2:], alpha=-1)
+
+    def round_two_tier(col_index, col):
+        j = col_group[col_index]
+        is_clear = clear[:, col_index, None]
+        s = torch.where(is_clear, hscales, scales[:, :, j]).reshape(c * k)
+        z = torch.where(is_clear, hzeros, zeros[:, :, j]).reshape(c * k)
+        top = maxq[:, col_index, None].expand(c, k).reshape(c * k)
+        q = torch.minimum(torch.clamp(torch.round(col / s) + z, min=0), top)
+        codes[:, :, col_index] = q.to(torch.int64).reshape(c, k)
+        deq = (q - z) * s
+        dq[:, :, col_index] = deq.reshape(c, k)
+        return deq
+
+    column_sweep(work, h_inv, round_two_tier, block_size)
     if perm is not None:
         inv = torch.argsort(perm)
         codes, dq = codes[:, :, inv], dq[:, :, inv]

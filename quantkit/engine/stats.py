@@ -13,13 +13,12 @@ def half_gemm_fp32_out(dtype) -> bool:
     if dtype not in _half_gemm_fp32_out:
         probe = torch.ones(1, 1, dtype=dtype, device="cuda")
         try:
-            _half_gemm_fp32_out[dtype] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
-        except (TypeError, NotImplementedError):
-            _half_gemm_fp32_out[dtype] = False
-        except RuntimeError as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise
-            _half_gemm_fp32_out[dtype] = False
+            supported = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, NotImplementedError, RuntimeError):  # no `out_dtype`, or no kernel for this dtype
+            supported = False
+        _half_gemm_fp32_out[dtype] = supported
     return _half_gemm_fp32_out[dtype]
 
 

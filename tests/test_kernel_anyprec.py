@@ -136,6 +136,21 @@ static double reference(const Problem& Pb, const uint16_t* lut, int b, int r) {
   }
   return s;
 }
+
+// the largest |out - reference| over every output, relative to the largest |reference|; 3e30 for a non-finite out
+template <int K, typename T>
+static double max_relative_error(const Problem& Pb, const uint16_t* lut, const double* out, int M) {
+  double err = 0, scale = 0;
+  for (int b = 0; b < Pb.B; ++b)
+    for (int r = 0; r < M; ++r) {
+      const double s = reference<K, T>(Pb, lut, b, r);
+      const double got = out[size_t(b) * M + r];
+      if (!std::isfinite(got)) return 3e30;
+      err = std::max(err, std::fabs(got - s));
+      scale = std::max(scale, std::fabs(s));
+    }
+  return err / scale;
+}
 """
 
 _HARNESS = r"""
@@ -240,16 +255,7 @@ static double run(const Problem& Pb) {
       out[size_t(it.b) * M + row] = s;
     }
   }
-  double err = 0, scale = 0;
-  for (int b = 0; b < Pb.B; ++b)
-    for (int r = 0; r < M; ++r) {
-      const double s = reference<K, T>(Pb, lut, b, r);
-      const double got = out[size_t(b) * M + r];
-      if (!std::isfinite(got)) return 3e30;
-      err = std::max(err, std::fabs(got - s));
-      scale = std::max(scale, std::fabs(s));
-    }
-  return err / scale;
+  return max_relative_error<K, T>(Pb, lut, out.data(), M);
 }
 
 static int checked = 0, failed = 0;
@@ -438,16 +444,7 @@ static double run_rows(const Problem& Pb, int split) {
     for (int o = 0; o < 64 * Pb.B; ++o)
       if (row0 + (o & 63) < M) out[size_t(o >> 6) * M + row0 + (o & 63)] = part[o];
   }
-  double err = 0, scale = 0;
-  for (int b = 0; b < Pb.B; ++b)
-    for (int r = 0; r < M; ++r) {
-      const double s = reference<K, T>(Pb, lut, b, r);
-      const double got = out[size_t(b) * M + r];
-      if (!std::isfinite(got)) return 3e30;
-      err = std::max(err, std::fabs(got - s));
-      scale = std::max(scale, std::fabs(s));
-    }
-  return err / scale;
+  return max_relative_error<K, T>(Pb, lut, out.data(), M);
 }
 
 static int checked = 0, failed = 0;

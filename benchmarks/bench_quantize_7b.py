@@ -11,12 +11,16 @@ a fresh process, `python THIS --worker`, or under `torchrun --nproc-per-node N` 
 host RSS of the worker is the quantization's alone (the checkpoint is read one decoder block at a time).
 
 Timings (seconds, from the run's summary and quant_log.json):
-  load         reading the weights: the tensors outside the blocks, plus every block as its turn comes
+  load         reading the weights: the tensors outside the blocks, plus every block as its turn comes (on a
+               GPU the engine reads block i + 1 while block i computes: only the wait for it counts here)
   forwards     the engine's time less the solver and block reads: capturing the first block's inputs and
                the calibration forwards of every block (one per sequential group, one for the outputs)
   solver       the sum of the per-linear method times (GPTQ with act-order, static groups, clip search)
   write        writing the artifact (shards, checksums, tokenizer)
   other        the rest of the wall time: checks, tokenizing the calibration text, sampling the windows
+The time of a few steps inside these (STEPS: the tokenizer, the calibration text, the first block's inputs,
+the kernel's cache lookup...) is reported as well. The GPTQ kernel is built (or found in the cache) by a
+process of its own before the run: a machine's first run adds that one-time build, reported apart.
 Peak host RSS: the worker's ru_maxrss, and the peak per phase from a thread reading /proc/self/statm every
 50 ms (it can miss a spike shorter than that; ru_maxrss cannot): `load` up to the engine's start (tokenizer,
 calibration windows, the tensors outside the blocks), `forwards+solver` the engine (block reads included),
@@ -161,6 +165,44 @@ class PhaseRss:
         return self.peaks
 
 
+# (module, function) whose calls the worker times, to split "other" and "forwards" further; each is looked up
+# in that module at call time
+STEPS = (("quantkit.pipeline", "resolve_device"), ("quantkit.pipeline", "check_architecture"),
+         ("quantkit.pipeline", "check_shards"), ("quantkit.pipeline", "load_tokenizer"),
+         ("quantkit.pipeline", "calibration_windows"), ("quantkit.pipeline", "_Job"),
+         ("quantkit.pipeline", "run_fingerprint"), ("quantkit.models.lazy", "open_lazy"),
+         ("quantkit.engine.driver", "capture_layer_inputs"), ("quantkit.kernels.build", "load"))
+
+
+def time_steps(seconds: dict):
+    """Wrap every STEPS function so that its calls add to seconds["module.function"]."""
+    import importlib
+
+    def timed(key, fn):
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[key] = round(seconds.get(key, 0.0) + time.perf_counter() - start, 3)
+
+        return wrapped
+
+    for module_name, name in STEPS:
+        module = importlib.import_module(module_name)
+        setattr(module, name, timed(f"{module_name.rpartition('.')[2]}.{name}", getattr(module, name)))
+
+
+def warm_kernels(device) -> float:
+    """Compile (or find in the cache) the GPTQ kernel in a process of its own, so that a machine's one-time
+    build is reported apart from the run; seconds taken."""
+    if device != "cuda":
+        return 0.0
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "from quantkit.kernels import build; build.load('gptq')"], check=True)
+    return round(time.perf_counter() - start, 1)
+
+
 def worker(args):
     import quantkit.pipeline as pipeline
     from quantkit.engine.distributed import env_world_size
@@ -171,6 +213,8 @@ def worker(args):
     # the pipeline looks both up at call time: wrapped, their calls are the forwards+solver and write phases
     pipeline.quantize_model = rss.during("forwards+solver", pipeline.quantize_model)
     pipeline.write_artifact = rss.during("write", pipeline.write_artifact)
+    steps = {}
+    time_steps(steps)
     start = time.perf_counter()
     rss.enter("load")
     summary = pipeline.quantize_checkpoint(str(args.model), args.out, "gptq", {"bits": 4, "group_size": 128},
@@ -185,7 +229,7 @@ def worker(args):
               "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "peak_host_rss_by_phase": peaks,
               "peak_gpu_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
-              "peak_gpu_reserved": torch.cuda.max_memory_reserved() if cuda else 0,
+              "peak_gpu_reserved": torch.cuda.max_memory_reserved() if cuda else 0, "step_seconds": steps,
               "summary": {k: v for k, v in summary.items() if k not in ("settings",)}}
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(report))
 
@@ -213,6 +257,7 @@ def driver(args):
     if args.build_only:
         print(f"checkpoint written to {model} in {build:.0f} s")
         return
+    kernel_build = warm_kernels(args.device)
     out = work / f"artifact-{args.nproc}gpu"
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -231,7 +276,8 @@ def driver(args):
     result = {"benchmark": "quantize_7b", "model": f"Llama-2-7B-shaped, {args.layers} layers, random bf16 weights",
               "method": "gptq w4g128 (defaults)", "nsamples": args.nsamples, "seqlen": args.seqlen,
               "nproc": args.nproc, "device": ranks[0]["device"], "dtype": ranks[0]["summary"]["dtype"],
-              "checkpoint_build_seconds": round(build, 1), "seconds": split,
+              "checkpoint_build_seconds": round(build, 1), "kernel_build_seconds": kernel_build, "seconds": split,
+              "step_seconds": ranks[0]["step_seconds"],
               "peak_host_rss_gib": round(max(r["peak_host_rss_bytes"] for r in ranks) / gib, 2),
               "peak_host_rss_by_phase_gib": {phase: round(max(r["peak_host_rss_by_phase"].get(phase, {})
                                                               .get("rss_bytes", 0) for r in ranks) / gib, 2)
@@ -253,11 +299,13 @@ def driver(args):
     print(f"{'phase':<10} {'seconds':>9}")
     for key in ("load", "forwards", "solver", "write", "other", "wall"):
         print(f"{key:<10} {split[key]:>9.1f}")
+    print("within them (rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_seconds"].items()))
     print("peak host RSS by phase (GiB, sampled every 50 ms): " + ", ".join(
         f"{phase} {value:.2f}" for phase, value in result["peak_host_rss_by_phase_gib"].items()))
     print(f"peak host RSS {result['peak_host_rss_gib']:.2f} GiB (max over ranks); peak GPU allocated "
           f"{result['peak_gpu_allocated_gib']:.2f} GiB, reserved {result['peak_gpu_reserved_gib']:.2f} GiB; "
-          f"checkpoint build {build:.0f} s (not in the wall time)")
+          f"checkpoint build {build:.0f} s, GPTQ kernel build or cache lookup {kernel_build:.0f} s "
+          "(neither in the wall time)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

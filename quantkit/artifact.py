@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +48,7 @@ CONFIG = "config.json"
 LOG = "quant_log.json"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+SHARD_WRITERS = 4  # threads writing shards at once (each holds one read buffer)
 # a safetensors header is JSON of a few hundred bytes per tensor; anything far larger is damage
 MAX_HEADER_BYTES = 100 * 1024**2
 CONFIG_KEY = "quantkit_config_sha256"
@@ -284,12 +286,19 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors, float_te
         config = dict(model_config)
         config["quantization_config"] = qcfg
         config_digest = _config_digest(config)  # covers the file names, not their checksums
-        weight_map = {}
-        for fname, shard in zip(names, shards):
+
+        def write_shard(fname, shard):  # hashing and file I/O leave the interpreter: shards go in parallel
             metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": contents_digest(shard),
                         CONFIG_KEY: config_digest, LAYOUT_KEY: _layout_digest(layout(shard), fname)}
-            qcfg["files"][fname] = write_tensor_file(tmp / fname, shard, metadata)
+            checksum = write_tensor_file(tmp / fname, shard, metadata)
             _readable_as_umask_allows(tmp / fname)
+            return checksum
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(shards), SHARD_WRITERS))) as pool:
+            checksums = list(pool.map(write_shard, names, shards))
+        weight_map = {}
+        for fname, shard, checksum in zip(names, shards, checksums):
+            qcfg["files"][fname] = checksum
             weight_map.update({name: fname for name in shard})
         if len(shards) > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

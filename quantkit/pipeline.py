@@ -405,7 +405,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         summary = {"model": source.display, "method": method, "settings": quantizer.config(),
                    "calibration": calib_protocol, "device": device, "dtype": str(torch_dtype).replace("torch.", ""),
                    "quantize_seconds": round(elapsed, 2), "load_seconds": load_seconds,
-                   **({} if blocks is None else {"block_read_seconds": round(blocks.seconds, 2)}),
+                   **({} if blocks is None else {"block_read_seconds": round(blocks.seconds, 2),
+                                                 "block_read_ahead_seconds": round(blocks.ahead_seconds, 2)}),
                    "modules_quantized": len(qtensors),
                    **({} if sensitivity_seconds is None else {"sensitivity_seconds": sensitivity_seconds}),
                    **({} if ensemble_report is None else {"ensemble": ensemble_report}),
@@ -428,6 +429,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
 
         job.write(write)
     finally:
+        if blocks is not None:
+            blocks.close()
         if store is not None:
             store.remove()
     summary["write_seconds"] = round(time.perf_counter() - written, 2)

@@ -105,3 +105,78 @@ def test_missing_or_truncated_shards_are_refused_before_anything_is_written(tiny
     shards[1].unlink()
     assert f"shard {shards[1].name} is missing" in _one_line(quantize())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def _opened(src):
+    from quantkit.models.loading import resolve_source
+
+    model, blocks, _ = lazy.open_lazy(resolve_source(str(src)), torch.float32)
+    return model, blocks
+
+
+def _block_weights(model, index):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(f"model.layers.{index}.")}
+
+
+def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny_tokenizer, tmp_path, monkeypatch):
+    import threading
+
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    model, blocks = _opened(src)
+    blocks.load(1)
+    expected = _block_weights(model, 1)
+    blocks.release(1, [n.rpartition(".")[0] for n in expected if n.endswith("proj.weight")])
+
+    readers = []
+    original = lazy.LazyBlocks._read
+
+    def read(self, names, device=None):
+        readers.append(threading.current_thread().name)
+        return original(self, names, device)
+
+    monkeypatch.setattr(lazy.LazyBlocks, "_read", read)
+    blocks.prefetch(1, "cpu")
+    blocks.load(1, "cpu")
+    assert readers == ["quantkit-block-reader_0"] and blocks.ahead_seconds > 0
+    got = _block_weights(model, 1)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in expected)
+
+    readers.clear()  # a read ahead of another block is dropped and the block asked for is read now
+    blocks.prefetch(2, "cpu")
+    blocks.load(3, "cpu")
+    assert readers == ["quantkit-block-reader_0", "MainThread"]
+    blocks.prefetch(len(model.model.layers), "cpu")  # past the last block: nothing to read
+    assert blocks._ahead is None
+    blocks.close()
+
+
+def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tokenizer, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    weight_map = json.loads((src / lazy.INDEX).read_text())["weight_map"]
+    name = "model.layers.2.mlp.up_proj.weight"
+    shard = src / weight_map[name]
+    tensors = load_file(shard)
+    tensors[name][0, :3] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    model, blocks = _opened(src)
+    blocks.prefetch(2, "cpu")
+    with pytest.raises(lazy.QuantkitError, match=f"model tensor {name} contains 3 NaN/Inf values"):
+        blocks.load(2, "cpu")
+    blocks.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reading ahead onto a GPU needs CUDA")
+def test_reading_ahead_onto_the_gpu_gives_the_same_artifact_bytes(tiny_tokenizer, small_data, tmp_path):
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    outs = {lazy_: tmp_path / f"lazy-{lazy_}" for lazy_ in (True, False)}
+    for lazy_, out in outs.items():
+        quantize_checkpoint(str(src), out, "gptq", {"bits": 4, "group_size": 32}, nsamples=2, seqlen=32, calib="ptb",
+                            device="cuda", dtype="float32", data_dir=small_data, progress=False, checkpoint=False,
+                            lazy=lazy_)
+    summary = json.loads((outs[True] / "quant_log.json").read_text())
+    assert summary["block_read_ahead_seconds"] > 0
+    for path in outs[True].iterdir():
+        if path.name != "quant_log.json":
+            assert path.read_bytes() == (outs[False] / path.name).read_bytes(), path.name

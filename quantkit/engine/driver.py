@@ -69,9 +69,11 @@ def _move_outside(module, skip, device):
     if module is skip:
         return
     for param in module.parameters(recurse=False):
-        param.data = param.data.to(device)
+        if param.device.type != "meta":  # a lazily read block's released weights
+            param.data = param.data.to(device)
     for name, buf in module.named_buffers(recurse=False):
-        module._buffers[name] = buf.to(device)
+        if buf.device.type != "meta":
+            module._buffers[name] = buf.to(device)
     for child in module.children():
         _move_outside(child, skip, device)
 
@@ -358,7 +360,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     it has recorded are restored, not recomputed. `offload_activations`: keep the calibration
     activations in host memory. `ranks`: an engine.distributed.Ranks (default: this process alone).
     `blocks`: a models.lazy.LazyBlocks when the blocks of `model` are on the meta device, each read when
-    its turn comes and released once its quantized tensors are taken. `store`: an engine.spill.QuantizedStore
+    its turn comes (on a GPU, read ahead while the block before it computes) and released once its
+    quantized tensors are taken. `store`: an engine.spill.QuantizedStore
     that takes every finished layer's tensors (to disk: they do not stay in memory) and is returned in
     place of the dict.
 
@@ -429,6 +432,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         layer = layers[index]
         if blocks is not None:
             blocks.load(index, device)
+            if torch.device(device).type == "cuda":  # the next block's read hides behind this one's work
+                blocks.prefetch(index + 1, device)
         layer.to(device)
         linears = adapter.linears(layer)
         block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks)
@@ -459,9 +464,11 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         last = index == len(layers) - 1
         if not last:  # the last layer's outputs feed nothing that is quantized
             inputs = _run_layer(layer, inputs, *calls[index])
-        layer.to("cpu")
-        finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
-        if blocks is not None:
+        if blocks is None:
+            layer.to("cpu")
+        else:  # the quantized weights are dropped where they are rather than copied to the host first
             blocks.release(index, layer_q)
+            _move_outside(layer, None, "cpu")
+        finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
         del layer_q  # with a store, the layer's tensors are on disk now
     return qtensors, log_entries

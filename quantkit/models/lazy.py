@@ -8,6 +8,12 @@ the artifact stores in float, norms, biases, a MoE router, stay). Host memory is
 outside the blocks + one block + the calibration activations + one layer's packed tensors (the finished
 layers' wait on disk, engine/spill.py), not the model.
 
+On a GPU the engine reads one block ahead (`prefetch`): block i + 1 is read from the shards by a background
+thread (plain file reads, which leave the interpreter to the engine), copied to the GPU on a side stream and
+checked there while block i computes, so the reads leave the clock. The host then still holds at most one
+block (the one on its way to the GPU); the GPU holds two. On the CPU there is no read-ahead: it would hold
+two blocks in host memory.
+
 A checkpoint whose tensor names are not the model's own (ones transformers renames or merges while it loads,
 e.g. Mixtral's `block_sparse_moe.experts.*.w1`) is loaded whole instead (`open_lazy` returns None and says
 why in the log). Missing or truncated shards are refused up front by `check_shards`.
@@ -16,14 +22,15 @@ why in the log). Missing or truncated shards are refused up front by `check_shar
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
 from quantkit.artifact import read_header
 from quantkit.errors import QuantkitError
+from quantkit.tensorfile import file_entries
 
 log = logging.getLogger(__name__)
 
@@ -74,34 +81,61 @@ def check_shards(directory) -> dict:
     return where
 
 
+def _explicit(device) -> torch.device:
+    """`device` with its index: a bare "cuda" means this thread's current GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class LazyBlocks:
     """Materialises and releases the decoder blocks of a meta-device model (see the module docstring)."""
 
     def __init__(self, model, layers_path, directory, dtype, keys):
         self.model, self.layers_path = model, layers_path
         self.directory, self.dtype, self.keys = Path(directory), dtype, keys  # keys: param -> (file, tensor)
-        self.seconds = 0.0  # spent reading blocks
+        self.seconds = 0.0  # the engine's time in load(): reading, or waiting for a read ahead to finish
+        self.ahead_seconds = 0.0  # reads ahead, in the background thread
+        self._files = {}  # shard file -> {tensor: TensorBytes}
+        self._ahead = None  # (block index, device, Future of its checked tensors)
+        self._reader = None
 
-    def _read(self, names) -> dict:
-        by_file = {}
+    def _entries(self, fname) -> dict:
+        if fname not in self._files:
+            path = self.directory / fname
+            self._files[fname] = file_entries(path, read_header(path))
+        return self._files[fname]
+
+    def _read(self, names, device=None) -> dict:
+        """{param: tensor in the compute dtype on `device`}, each read with a plain file read into a fresh
+        tensor (the interpreter is free while the bytes arrive), then checked for NaN/Inf where it lands."""
+        out, finite = {}, []
         for name in names:
-            by_file.setdefault(self.keys[name][0], []).append(name)
-        out = {}
-        for fname, group in sorted(by_file.items()):
-            with safe_open(str(self.directory / fname), framework="pt") as fh:
-                for name in group:
-                    out[name] = fh.get_tensor(self.keys[name][1]).to(self.dtype)
+            fname, key = self.keys[name]
+            value = self._entries(fname)[key].load().to(device=device, dtype=self.dtype)
+            finite.append(torch.isfinite(value).all())
+            out[name] = value
+        if finite and not bool(torch.stack(finite).all()):  # one synchronisation per block, not per tensor
+            name, value = next((n, v) for (n, v), ok in zip(out.items(), finite) if not ok)
+            raise QuantkitError(f"model tensor {name} contains {(~torch.isfinite(value)).sum().item()} NaN/Inf values; "
+                                "the checkpoint is damaged")
         return out
 
-    def _assign(self, tensors, device=None):
+    def _read_ahead(self, names, device):
+        """_read in the reader thread; on a GPU on a stream of its own, so that the copies and the check do
+        not queue behind the engine's work (the check synchronises that stream: the block is complete)."""
+        start = time.perf_counter()
+        if device.type == "cuda":
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                tensors = self._read(names, device)
+        else:
+            tensors = self._read(names, device)
+        self.ahead_seconds += time.perf_counter() - start
+        return tensors
+
+    def _assign(self, tensors):
         for name, value in tensors.items():
-            if device is not None:
-                value = value.to(device)
-            # on the device where there is one: on the host this pass over a 7B block took most of a second
-            # with one thread (torchrun's default), longer than reading the block
-            if not torch.isfinite(value).all():
-                raise QuantkitError(f"model tensor {name} contains {(~torch.isfinite(value)).sum().item()} NaN/Inf "
-                                    "values; the checkpoint is damaged")
             module_name, _, leaf = name.rpartition(".")
             self.model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
 
@@ -122,10 +156,43 @@ class LazyBlocks:
         return [n for n, _ in self.model.named_parameters() if n.startswith(block)]
 
     def load(self, index, device=None):
-        """Read decoder block `index` in the compute dtype, onto `device` (default: the CPU)."""
+        """Read decoder block `index` in the compute dtype, onto `device` (default: the CPU), or take it from
+        the read ahead started for it."""
         start = time.perf_counter()
-        self._assign(self._read(self._block_params(index)), device)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (index, _explicit(device or "cpu")):
+            tensors = ahead[2].result()  # a read that failed raises its error here, at its block
+            if ahead[1].type == "cuda":
+                current = torch.cuda.current_stream(ahead[1])
+                for value in tensors.values():
+                    value.record_stream(current)  # made on the reader's stream, used and freed on this one
+        else:
+            if ahead is not None:
+                ahead[2].result()  # a read ahead of another block: finished and dropped
+            tensors = self._read(self._block_params(index), device)
+        self._assign(tensors)
         self.seconds += time.perf_counter() - start
+
+    def prefetch(self, index, device):
+        """Start reading block `index` onto `device` in the background; load(index, device) takes it. The
+        engine asks for this on a GPU only: on the CPU the block read ahead would be a second block in host
+        memory. Nothing happens for an index past the last block."""
+        if index >= len(self.model.get_submodule(self.layers_path)):
+            return
+        device = _explicit(device)  # the reader thread's current GPU is not this thread's
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-block-reader")
+        future = self._reader.submit(self._read_ahead, self._block_params(index), device)
+        self._ahead = (index, device, future)
+
+    def close(self):
+        """Wait for a read ahead in flight (its tensors are dropped) and stop the reader thread."""
+        if self._ahead is not None:
+            self._ahead[2].exception()
+            self._ahead = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
     def load_floats(self, index, quantized=()):
         """Read only what the artifact stores in float from block `index` (a block a resumed run restored

@@ -309,6 +309,11 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
     removed when the run ends); spill=False keeps them in memory, as --ensemble always does."""
     out = Path(out)
     check_out_dir(out, overwrite)
+    # memory freed by one layer's tensors is handed out again in any size: without it, the GPU memory reserved
+    # for a 7B model was twice what was allocated. Takes effect if CUDA has not allocated yet; the caller's
+    # setting (under either name torch reads) stands.
+    if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device = resolve_device(device)
     resolve_dtype(dtype, device)  # an unknown name is refused before anything else
     job = _Job(out, device, resume=resume, checkpoint=checkpoint, offload_activations=offload_activations,

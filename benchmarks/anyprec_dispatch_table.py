@@ -1,7 +1,7 @@
 """Turn bench_anyprec_variants.py JSON files into the dispatch table quantkit/kernels/anyprec_variants.py.
 
   python benchmarks/anyprec_dispatch_table.py RUN.json [RUN.json ...] [--write] [--min-gain 0.02]
-      [--summary OUT.json]
+      [--today-widths 4] [--summary OUT.json]
 
 Runs are grouped by GPU (the model its device name names); several runs of one GPU are combined per case
 (shape, width, batch) by taking each candidate's slowest time over the runs (a candidate missing or failed in
@@ -52,8 +52,9 @@ def combine(runs):
     return cases
 
 
-def choose(runs, min_gain):
-    """{(rows, cols): {bits: {batch: name}}} from one GPU's runs, and per case the evidence."""
+def choose(runs, min_gain, today_widths=()):
+    """{(rows, cols): {bits: {batch: name}}} from one GPU's runs, and per case the evidence; widths in
+    `today_widths` keep today's kernel everywhere."""
     cases = combine(runs)
     order = {name: i for i, name in enumerate(CANDIDATES)}
     chosen, evidence = {}, {}
@@ -63,7 +64,8 @@ def choose(runs, min_gain):
         if "today" not in us:
             continue
         today = us["today"]
-        fine = [n for n in us if n != "today" and n in order and us[n] <= (1.0 - min_gain) * today]
+        fine = [n for n in us if n != "today" and n in order and us[n] <= (1.0 - min_gain) * today
+                and bits not in today_widths]
         best = min(fine, key=lambda n: (us[n], order[n]), default="today")
         evidence[(rows, cols, bits, batch)] = {"name": best, "today_us": today, "us": us[best],
                                                "cublas_us": case["cublas_us"], "runs": case["runs"]}
@@ -107,9 +109,13 @@ def main():
     ap.add_argument("runs", nargs="+", help="JSON files written by bench_anyprec_variants.py")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="how much faster than today's kernel a candidate must be on a shape (default 0.02)")
+    ap.add_argument("--today-widths", default="",
+                    help="comma list of widths that keep today's kernel at every shape (e.g. where end-to-end decode "
+                         "measured the table's choices slower than today's kernel)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {MODULE.name}")
     ap.add_argument("--summary", help="write the chosen-against-today speedups per case to this JSON file")
     args = ap.parse_args()
+    today_widths = sorted({int(w) for w in args.today_widths.split(",") if w})
 
     by_gpu = {}
     for path in args.runs:
@@ -117,14 +123,15 @@ def main():
         by_gpu.setdefault(gpu_key(run["info"]["device"]), []).append((path, run))
     choices, sources, report = dict(variants.CHOICES), dict(variants.SOURCES), {}
     for key, runs in sorted(by_gpu.items()):
-        chosen, evidence = choose([run["rows"] for _, run in runs], args.min_gain)
+        chosen, evidence = choose([run["rows"] for _, run in runs], args.min_gain, today_widths)
         choices[key] = chosen
         infos = [run["info"] for _, run in runs]
         sources[key] = {"device": infos[0]["device"], "date": max(i.get("date") or "" for i in infos),
-                        "commits": sorted({i.get("commit") or "?" for i in infos}), "runs": len(runs)}
+                        "commits": sorted({i.get("commit") or "?" for i in infos}), "runs": len(runs),
+                        **({"today_widths": today_widths} if today_widths else {})}
         report[key] = {"runs": [Path(p).name for p, _ in runs],
                        "combined": "kernels: slowest time over the runs; cuBLAS: fastest",
-                       "min_gain": args.min_gain, "cases": summary(evidence)}
+                       "min_gain": args.min_gain, "today_widths": today_widths, "cases": summary(evidence)}
         print(f"{key} ({infos[0]['device']}, {len(runs)} run(s)):")
         for (rows, cols, bits, batch), e in sorted(evidence.items()):
             if e["name"] != "today":

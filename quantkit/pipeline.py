@@ -370,7 +370,8 @@ def quantize_checkpoint(src, out, method, method_params, *, calib="c4", calib_fi
         _step(progress, f"loading the weights of {source.display}")
         model = load_model(source, dtype=torch_dtype)
         adapter = adapter_for(model)
-    check_finite_weights(model)  # the blocks of a lazy model are checked as they are read
+    if blocks is None:  # a lazy model's tensors are checked as they are read (models/lazy.py)
+        check_finite_weights(model)
     load_seconds = round(time.perf_counter() - loaded, 2)
 
     module_stats, sensitivity_seconds = None, None

@@ -918,6 +918,8 @@ def test_dispatch_tool_picks_per_shape_only_candidates_faster_in_every_run():
     assert chosen[small][6] == {1: "pair"}
     assert chosen[big][7] == {1: "rows", 8: "rows_s1"}  # they differ: batches 2..7 keep today's kernel
     assert chosen[small][7] == {1: "pair"}
+    kept, _ = tool.choose([a["rows"], b["rows"]], min_gain=0.02, today_widths=(6,))  # 6 bits: today's everywhere
+    assert all(6 not in per_shape for per_shape in kept.values()) and kept[big][7] == chosen[big][7]
     # the rule's promise: on every measured case the choice is no slower than today's kernel in any run
     for run in (a, b):
         for r in run["rows"]:

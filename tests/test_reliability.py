@@ -200,6 +200,16 @@ def test_nan_in_weights_is_refused_before_any_work(tiny_llama_dir, tmp_path):
                  "model tensor model.layers.1.mlp.up_proj.weight contains 2 NaN/Inf values", out)
 
 
+def test_nan_outside_the_blocks_is_refused_when_read(tiny_llama_dir, tmp_path):
+    def poison(tensors):  # read with the model's outside tensors, before any block
+        tensors["model.embed_tokens.weight"][7, :4] = float("nan")
+
+    model = copy_model(tiny_llama_dir, tmp_path / "nan", poison)
+    out = tmp_path / "q"
+    assert_fails(quantize(model, out, "--method", "rtn"),
+                 "model tensor model.embed_tokens.weight contains 4 NaN/Inf values", out)
+
+
 def test_inf_in_hessian(tiny_llama_dir, tmp_path, small_data):
     def blow_up(tensors):  # finite weights whose activations overflow fp32 once squared
         tensors["model.layers.0.post_attention_layernorm.weight"].fill_(1e30)

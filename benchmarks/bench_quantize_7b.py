@@ -33,6 +33,7 @@ The layer checkpoint (resume) is off unless --checkpoint: it writes each layer's
   python benchmarks/bench_quantize_7b.py --json $OUT/quantize_7b.json                 # the run, one GPU
   python benchmarks/bench_quantize_7b.py --nproc 2 --json $OUT/quantize_7b_2gpu.json  # 2 GPUs, torchrun
   python benchmarks/bench_quantize_7b.py --layers 2 --nsamples 8 --workdir build/q2 --json $OUT/q.json  # a check
+  python benchmarks/bench_quantize_7b.py --nproc 4 --phases --json $OUT/q4.json      # where each rank's time goes
 The checkpoint (12.6 GiB) stays in --workdir (build/ is ignored by git) for the runs that follow on the same
 machine; building it in the same command as a full run may not fit a time limit of a few minutes.
 
@@ -261,6 +262,8 @@ def driver(args):
     out = work / f"artifact-{args.nproc}gpu"
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.phases:
+        env["QUANTKIT_ENGINE_TIMINGS"] = "1"
     launcher = [sys.executable] if args.nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     cmd = launcher + [__file__, "--worker", "--model", str(model), "--out", str(out), "--nsamples",
@@ -299,6 +302,10 @@ def driver(args):
     print(f"{'phase':<10} {'seconds':>9}")
     for key in ("load", "forwards", "solver", "write", "other", "wall"):
         print(f"{key:<10} {split[key]:>9.1f}")
+    for report in ranks if args.phases else ():
+        engine = report["summary"].get("engine_phases", {})
+        print(f"engine phases, rank {report['rank']} (synchronised): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in engine.items()))
     print("within them (rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in result["step_seconds"].items()))
     print("peak host RSS by phase (GiB, sampled every 50 ms): " + ", ".join(
         f"{phase} {value:.2f}" for phase, value in result["peak_host_rss_by_phase_gib"].items()))
@@ -326,6 +333,9 @@ def main():
     ap.add_argument("--workdir", default="build/quantize-7b",
                     help="where the checkpoint (reused when present) and the artifact go")
     ap.add_argument("--build-only", action="store_true", help="write the checkpoint and stop")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the engine's phases on every rank (QUANTKIT_ENGINE_TIMINGS=1: the GPU is synchronised "
+                         "at each phase boundary, which costs a little time)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)

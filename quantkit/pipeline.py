@@ -16,6 +16,7 @@ from quantkit.data import calibration_windows, check_available, eval_tokens
 from quantkit.data.calib_file import is_calibration_file
 from quantkit.engine import quantize_model
 from quantkit.engine.spill import QuantizedStore, remove_stale_spills, spill_dir
+from quantkit.engine.timing import EngineTimer
 from quantkit.errors import CheckpointError, QuantkitError, StorageError
 from quantkit.eval import perplexity
 from quantkit.kernels.build import sources_digest
@@ -190,6 +191,8 @@ class _Job:
         self.overwrite = overwrite
         self.fingerprint = None
         self.checkpoint = None
+        self.timer = None  # the engine's EngineTimer, once it has run
+        self.engine_seconds = None
 
     def check_settings(self, quantizer, nsamples, ensemble):
         world = self.ranks.world_size
@@ -213,6 +216,8 @@ class _Job:
         out = {"world_size": self.ranks.world_size, "offload_activations": self.offload}
         if self.checkpoint is not None and self.checkpoint.resumed_from:
             out["resumed_at_layer"] = self.checkpoint.resumed_from
+        if self.timer is not None and self.timer.enabled:  # QUANTKIT_ENGINE_TIMINGS (engine/timing.py)
+            out["engine_phases"] = self.timer.report(self.engine_seconds)
         return out
 
     def _hint(self):
@@ -254,15 +259,20 @@ class _Job:
             if self.resume and self.checkpoint.layers_done:
                 log.warning("resuming after %d finished layers from %s", self.checkpoint.layers_done,
                             self.checkpoint.dir)
+        self.timer = EngineTimer(self.device)
+        start = time.perf_counter()
         try:
             return quantize_model(model, adapter, quantizer, calib_ids, device=self.device, progress=progress,
                                   module_stats=module_stats, checkpoint=self.checkpoint,
-                                  offload_activations=self.offload, ranks=self.ranks, blocks=blocks, store=store)
+                                  offload_activations=self.offload, ranks=self.ranks, blocks=blocks, store=store,
+                                  timer=self.timer)
         except BaseException as exc:
             failure = self._fail(exc)
             if failure is exc:
                 raise
             raise failure from exc
+        finally:
+            self.engine_seconds = time.perf_counter() - start
 
     def write(self, write_fn):
         """write_fn() on rank 0 (the artifact), then drop the checkpoint; every rank learns the outcome."""

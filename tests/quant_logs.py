@@ -2,7 +2,7 @@
 
 # wall-clock times, and how the run was carried out (resumed, how many ranks, on which host)
 VOLATILE = frozenset({"time_s", "quantize_seconds", "sensitivity_seconds", "load_seconds", "block_read_seconds",
-                      "block_read_ahead_seconds", "resumed_at_layer", "world_size", "host"})
+                      "block_read_ahead_seconds", "engine_phases", "resumed_at_layer", "world_size", "host"})
 
 
 def strip_volatile(value, also=frozenset()):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from factories import save_tiny, tiny_causal_lm
 from quant_logs import strip_volatile
 from quantkit.cli import main
+from quantkit.engine import timing
 from quantkit.engine.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one thread
@@ -357,21 +358,22 @@ def _files(artifact):
             for p in sorted(artifact.iterdir())}
 
 
-def _torchrun(nproc, args, kill_after_layer=None):
-    """`quantkit ARGS` under torchrun; with kill_after_layer=k every rank exits once layer k is committed."""
+def _torchrun(nproc, args, kill_after_layer=None, **env):
+    """`quantkit ARGS` under torchrun, with `env` added to the environment; with kill_after_layer=k every rank
+    exits once layer k is committed."""
     import kill_after_layer as killer
 
     entry = ["-m", "quantkit"] if kill_after_layer is None else killer.command(kill_after_layer)[1:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *entry, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_two_ranks_write_the_one_process_artifact_and_resume_across_world_sizes(tiny_llama_dir, tmp_path, small_data):
     """The Hessians are summed in one canonical order whatever the number of ranks (engine/distributed.py),
-    so two gloo ranks write the same bytes as one process; a two-rank run killed after layer 0 resumes
-    in one process to the same bytes again."""
+    so two gloo ranks write the same bytes as one process (with the engine's phase timings on, which change
+    nothing but the log); a two-rank run killed after layer 0 resumes in one process to the same bytes again."""
     from quantkit.engine import checkpoint as ckpt
 
     args = ["quantize", "--model", tiny_llama_dir, "--method", "gptq", "--no-clip-search", "--bits", 3,
@@ -380,11 +382,17 @@ def test_two_ranks_write_the_one_process_artifact_and_resume_across_world_sizes(
     assert run(*args, "--out", single).exit_code == 0
 
     double = tmp_path / "two"
-    result = _torchrun(2, [*args, "--out", double])
+    result = _torchrun(2, [*args, "--out", double], QUANTKIT_ENGINE_TIMINGS="1")
     assert result.returncode == 0, result.stderr[-3000:]
     log = json.loads((double / "quant_log.json").read_text())
     assert log["world_size"] == 2
     assert _files(double) == _files(single)
+    phases = log["engine_phases"]
+    assert set(phases) == {*timing.PHASES, "other"} and "engine_phases" not in json.loads(
+        (single / "quant_log.json").read_text())
+    assert all(phases[name] > 0 for name in ("capture", "stats_forwards", "stats_reduce", "solve", "share", "outputs"))
+    assert phases["block_wait"] >= 0 and phases["finish"] >= 0
+    assert sum(phases.values()) == pytest.approx(log["quantize_seconds"], abs=0.5)
 
     killed = tmp_path / "killed"
     result = _torchrun(2, [*args, "--out", killed], kill_after_layer=0)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from quantkit.engine.distributed import LOCAL
 from quantkit.engine.stats import InputGramCollector, output_error
+from quantkit.engine.timing import EngineTimer
 from quantkit.errors import QuantkitError
 from quantkit.models.adapters import observe_calls
 from quantkit.runtime.experts import RoutedExperts, replace_fused_experts
@@ -210,18 +211,26 @@ def _quantize_linear(method, name, linear, stats, device):
     return qtensor.to("cpu"), entry
 
 
-def _quantize_together(ranks, jobs, method, device):
+def _quantize_together(ranks, jobs, method, device, timer=None):
     """Quantize the linears `jobs` ([(global position, name, linear, stats)], independent of each
     other: one sequential group, or a layer without calibration) over the ranks. Each rank first
     quantizes the linears it owns (ranks.owner), all of them, so the ranks work at the same time;
     then, in the jobs' order, each owner broadcasts its tensors and log entry and the other ranks put
     the same dequantized weight back. Any failure on an owner is raised on every rank, at that job.
-    Returns [(QuantizedTensor, entry)] in the jobs' order."""
+    Returns [(QuantizedTensor, entry)] in the jobs' order. `timer`: an engine.timing.EngineTimer."""
+    timer = timer or EngineTimer(enabled=False)
     if not ranks.distributed:
-        return [_quantize_linear(method, name, linear, stats, device) for _, name, linear, stats in jobs]
-    from quantkit.formats.base import quantized_tensor_from_state_dict
+        with timer.phase("solve"):
+            return [_quantize_linear(method, name, linear, stats, device) for _, name, linear, stats in jobs]
+    with timer.phase("solve"):
+        own = _quantize_own(ranks, jobs, method, device)
+    with timer.phase("share"):
+        return _share(ranks, jobs, own, device)
 
-    own = {}  # job index -> (qtensor, header, failure), for the jobs this rank owns
+
+def _quantize_own(ranks, jobs, method, device) -> dict:
+    """{job index: (qtensor, header, failure)} for the jobs this rank owns; stops at its first failure."""
+    own = {}
     for i, (position, name, linear, stats) in enumerate(jobs):
         if ranks.owner(position) != ranks.rank:
             continue
@@ -233,6 +242,12 @@ def _quantize_together(ranks, jobs, method, device):
             message = str(exc) if isinstance(exc, QuantkitError) else f"{type(exc).__name__}: {exc}"
             own[i] = (None, {"error": message}, exc)
             break  # every rank stops at this job's broadcast: this rank's later jobs are never shared
+    return own
+
+
+def _share(ranks, jobs, own, device) -> list:
+    """Every job's result on every rank, broadcast by its owner in the jobs' order (_quantize_together)."""
+    from quantkit.formats.base import quantized_tensor_from_state_dict
 
     results = []
     for i, (position, name, linear, _) in enumerate(jobs):
@@ -270,10 +285,10 @@ def _expert_slot(name, experts):
 class _BlockPass:
     """Runs one decoder block over the calibration windows with statistics hooks on some of its linears."""
 
-    def __init__(self, layer, inputs, call, linears, shard_sizes, ranks):
+    def __init__(self, layer, inputs, call, linears, shard_sizes, ranks, timer):
         self.layer, self.inputs, self.linears = layer, inputs, linears
         self.args, self.kwargs = call
-        self.shard_sizes, self.ranks = shard_sizes, ranks
+        self.shard_sizes, self.ranks, self.timer = shard_sizes, ranks, timer
 
     def observe(self):
         """[(linear name, input)] in the order one forward (the first window) runs the linears."""
@@ -291,15 +306,17 @@ class _BlockPass:
         if experts is not None:
             experts.calibrate_on_all_tokens = on_all
         try:
-            _run_layer(self.layer, self.inputs, self.args, self.kwargs, keep_outputs=False, collectors=collectors,
-                       stop=stop)
+            with self.timer.phase("stats_forwards"):
+                _run_layer(self.layer, self.inputs, self.args, self.kwargs, keep_outputs=False,
+                           collectors=collectors, stop=stop)
         finally:
             stop.remove()
             for collector in collectors:
                 collector.remove()
             if experts is not None:
                 experts.calibrate_on_all_tokens = frozenset()
-        return {group: collector.stats(self.ranks) for group, collector in zip(groups, collectors)}
+        with self.timer.phase("stats_reduce"):
+            return {group: collector.stats(self.ranks) for group, collector in zip(groups, collectors)}
 
 
 class _ExpertCalibration:
@@ -351,7 +368,7 @@ class _ExpertCalibration:
 
 @torch.no_grad()
 def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progress=True, module_stats=None, *,
-                   checkpoint=None, offload_activations=False, ranks=None, blocks=None, store=None):
+                   checkpoint=None, offload_activations=False, ranks=None, blocks=None, store=None, timer=None):
     """Quantize every linear the adapter finds in `model`'s decoder blocks, in place (weights replaced
     by their dequantized values; fused MoE experts are first split into one linear per expert matrix,
     runtime.experts). Returns ({module name: QuantizedTensor}, [per-module log entries]). `module_stats`
@@ -363,11 +380,13 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     its turn comes (on a GPU, read ahead while the block before it computes) and released once its
     quantized tensors are taken. `store`: an engine.spill.QuantizedStore
     that takes every finished layer's tensors (to disk: they do not stay in memory) and is returned in
-    place of the dict.
+    place of the dict. `timer`: an engine.timing.EngineTimer that adds up the seconds of each phase (default:
+    one that records only when QUANTKIT_ENGINE_TIMINGS is set).
 
     With calibration each block's plan (models.adapters: groups of linears that read one input, in the
     order they run) is learned from one forward of the first block of its kind, on its first window."""
     ranks = ranks or LOCAL
+    timer = timer or EngineTimer(device)
     replace_fused_experts(model)
     layers = adapter.layers(model)
     needs_stats = bool(method.stats)
@@ -402,41 +421,45 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
     if calib_ids is None:
         for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
             if blocks is not None:
-                blocks.load(index)
+                with timer.phase("block_wait"):
+                    blocks.load(index)
             jobs = []
             for name, linear in adapter.linears(layers[index]).items():
                 jobs.append((position, f"{prefix}.{index}.{name}", linear, None))
                 position += 1
-            done = _quantize_together(ranks, jobs, method, device)
+            done = _quantize_together(ranks, jobs, method, device, timer)
             layer_q = {name: qtensor for (_, name, _, _), (qtensor, _) in zip(jobs, done)}
             layer_entries = [entry for _, entry in done]
             del done
-            finish_layer(index, layer_q, layer_entries)
-            if blocks is not None:
-                blocks.release(index, layer_q)
+            with timer.phase("finish"):
+                finish_layer(index, layer_q, layer_entries)
+                if blocks is not None:
+                    blocks.release(index, layer_q)
             del layer_q  # with a store, the layer's tensors are on disk now
         return qtensors, log_entries
 
     nwindows = calib_ids.shape[0]
     start, stop = ranks.window_range(nwindows)
     inputs_home = "cpu" if offload_activations else device
-    if first == 0:
-        inputs, calls = capture_layer_inputs(model, layers, calib_ids[start:stop], device, inputs_home)
-    elif first < len(layers):
-        # the calls (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
-        _, calls = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
-        inputs = checkpoint.load_inputs(start, stop).to(inputs_home)
+    with timer.phase("capture"):
+        if first == 0:
+            inputs, calls = capture_layer_inputs(model, layers, calib_ids[start:stop], device, inputs_home)
+        elif first < len(layers):
+            # the calls (rotary embeddings, masks) are recomputed; the activations come from the checkpoint
+            _, calls = capture_layer_inputs(model, layers, calib_ids[start : start + 1], device, "cpu")
+            inputs = checkpoint.load_inputs(start, stop).to(inputs_home)
     shard_sizes = ranks.local_shard_sizes(nwindows)
     plans = {}
     for index in tqdm(todo, desc="quantize", unit="layer", disable=not show, initial=first, total=len(layers)):
         layer = layers[index]
         if blocks is not None:
-            blocks.load(index, device)
+            with timer.phase("block_wait"):
+                blocks.load(index, device)
             if torch.device(device).type == "cuda":  # the next block's read hides behind this one's work
                 blocks.prefetch(index + 1, device)
         layer.to(device)
         linears = adapter.linears(layer)
-        block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks)
+        block = _BlockPass(layer, inputs, calls[index], linears, shard_sizes, ranks, timer)
         signature = _signature(layer, linears)
         if signature not in plans:
             plans[signature] = adapter.steps(layer, block.observe())
@@ -455,7 +478,8 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
                     jobs.append((position, full, linears[name],
                                  stats[group] if extra is None else {**stats[group], **extra}))
                     position += 1
-            for (_, full, _, _), (qtensor, entry) in zip(jobs, _quantize_together(ranks, jobs, method, device)):
+            for (_, full, _, _), (qtensor, entry) in zip(jobs, _quantize_together(ranks, jobs, method, device,
+                                                                                   timer)):
                 routing.annotate(full[len(f"{prefix}.{index}."):], entry)
                 layer_q[full] = qtensor
                 layer_entries.append(entry)
@@ -463,12 +487,14 @@ def quantize_model(model, adapter, method, calib_ids=None, device="cpu", progres
         del block
         last = index == len(layers) - 1
         if not last:  # the last layer's outputs feed nothing that is quantized
-            inputs = _run_layer(layer, inputs, *calls[index])
-        if blocks is None:
-            layer.to("cpu")
-        else:  # the quantized weights are dropped where they are rather than copied to the host first
-            blocks.release(index, layer_q)
-            _move_outside(layer, None, "cpu")
-        finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
+            with timer.phase("outputs"):
+                inputs = _run_layer(layer, inputs, *calls[index])
+        with timer.phase("finish"):
+            if blocks is None:
+                layer.to("cpu")
+            else:  # the quantized weights are dropped where they are rather than copied to the host first
+                blocks.release(index, layer_q)
+                _move_outside(layer, None, "cpu")
+            finish_layer(index, layer_q, layer_entries, None if last else inputs, start)
         del layer_q  # with a store, the layer's tensors are on disk now
     return qtensors, log_entries

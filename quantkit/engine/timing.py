@@ -1,0 +1,62 @@
+"""Where the engine's time goes, phase by phase; opt-in with QUANTKIT_ENGINE_TIMINGS=1.
+
+On a GPU the engine queues work and waits only where it needs a result, so the wall-clock time between two
+points of the code says little about which phase kept the GPU busy. With timings on, the engine synchronises
+the device at every phase boundary and adds each phase's seconds to its total; quantize_checkpoint writes the
+totals to the run's summary and quant_log.json as "engine_phases". The synchronisations cost a little time,
+so timings are off unless asked for (on the CPU they cost nothing).
+
+Phases, per rank:
+  capture         running the model up to its first block on the calibration windows
+  block_wait      reading a block from the checkpoint, or waiting for the one read ahead
+  stats_forwards  the statistics passes (the block's forwards with the collecting hooks)
+  stats_reduce    summing the statistics over the ranks (the fixed-order chain of engine.distributed)
+  solve           quantizing the linears this rank owns
+  share           receiving the other ranks' results (waiting for an owner still solving included)
+  outputs         the quantized block's outputs, the next block's inputs
+  finish          dropping the block and recording its tensors (spill, layer checkpoint)
+  other           the rest of the engine's time (learning a block's plan, checks)
+"""
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+ENV = "QUANTKIT_ENGINE_TIMINGS"
+PHASES = ("capture", "block_wait", "stats_forwards", "stats_reduce", "solve", "share", "outputs", "finish")
+
+
+class EngineTimer:
+    """Per-phase seconds of one engine run (see the module docstring); does nothing unless enabled."""
+
+    def __init__(self, device=None, enabled=None):
+        self.enabled = os.environ.get(ENV, "") not in ("", "0") if enabled is None else enabled
+        self.device = torch.device(device) if device is not None else None
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def _sync(self):
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name):
+        if not self.enabled:
+            yield
+            return
+        self._sync()  # what was queued before belongs to the phase before
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - start
+
+    def report(self, total_seconds) -> dict:
+        """{phase: seconds} with "other" = total_seconds less the phases; {} when timings are off."""
+        if not self.enabled:
+            return {}
+        out = {name: round(value, 3) for name, value in self.seconds.items()}
+        out["other"] = round(total_seconds - sum(self.seconds.values()), 3)
+        return out

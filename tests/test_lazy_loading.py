@@ -3,6 +3,7 @@ memory at once, the same artifact bytes as loading the model whole, and one-line
 truncated shards before anything is written."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -180,3 +181,20 @@ def test_reading_ahead_onto_the_gpu_gives_the_same_artifact_bytes(tiny_tokenizer
     for path in outs[True].iterdir():
         if path.name != "quant_log.json":
             assert path.read_bytes() == (outs[False] / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize("caller", [None, "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_quantize_asks_for_expandable_segments_unless_the_caller_configured_the_allocator(caller, tiny_tokenizer,
+                                                                                           small_data, tmp_path,
+                                                                                           monkeypatch):
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if caller is not None:
+        monkeypatch.setenv(caller, "max_split_size_mb:64")
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    _quantize(src, tmp_path / "q", small_data, "rtn")
+    if caller is None:
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    else:
+        assert os.environ[caller] == "max_split_size_mb:64"
+        assert {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ) == {caller}

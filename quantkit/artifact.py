@@ -144,11 +144,17 @@ def _shard(tensors: dict, max_bytes: int):
     return shards
 
 
-def _readable_as_umask_allows(path):
-    """safetensors creates its files 0600; give them the mode of the artifact's other files (0666 & ~umask),
-    so an artifact in a shared directory can be read by the others who can read its config."""
+def _process_umask() -> int:
+    """The process umask. Reading it means setting it: call it from one thread only (the writer threads take
+    the value read before they start)."""
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _readable_as_umask_allows(path, umask):
+    """Tensor files are created 0600, as safetensors creates them; give them the mode of the artifact's other
+    files (0666 & ~umask), so an artifact in a shared directory can be read by those who can read its config."""
     os.chmod(path, 0o666 & ~umask)
 
 
@@ -286,12 +292,13 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors, float_te
         config = dict(model_config)
         config["quantization_config"] = qcfg
         config_digest = _config_digest(config)  # covers the file names, not their checksums
+        umask = _process_umask()
 
         def write_shard(fname, shard):  # hashing and file I/O leave the interpreter: shards go in parallel
             metadata = {"format": "pt", "quantkit_version": __version__, "quantkit_sha256": contents_digest(shard),
                         CONFIG_KEY: config_digest, LAYOUT_KEY: _layout_digest(layout(shard), fname)}
             checksum = write_tensor_file(tmp / fname, shard, metadata)
-            _readable_as_umask_allows(tmp / fname)
+            _readable_as_umask_allows(tmp / fname, umask)
             return checksum
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(shards), SHARD_WRITERS))) as pool:

@@ -151,7 +151,9 @@ def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny
     blocks.close()
 
 
-def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tokenizer, tmp_path):
+def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tokenizer, tmp_path, monkeypatch):
+    import threading
+
     from safetensors.torch import load_file, save_file
 
     src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
@@ -162,9 +164,22 @@ def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tok
     tensors[name][0, :3] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
     model, blocks = _opened(src)
+    readers = []
+    original = lazy.LazyBlocks._read
+
+    def read(self, names, device=None):
+        readers.append(threading.current_thread().name)
+        return original(self, names, device)
+
+    monkeypatch.setattr(lazy.LazyBlocks, "_read", read)
+    blocks.prefetch(2, "cpu")
+    blocks.load(1, "cpu")  # the damaged read ahead was for another block: dropped, block 1 loads
+    assert readers == ["quantkit-block-reader_0", "MainThread"]
+    readers.clear()
     blocks.prefetch(2, "cpu")
     with pytest.raises(lazy.QuantkitError, match=f"model tensor {name} contains 3 NaN/Inf values"):
         blocks.load(2, "cpu")
+    assert readers == ["quantkit-block-reader_0"]  # raised from the read ahead, at its own block
     blocks.close()
 
 
@@ -187,10 +202,10 @@ def test_reading_ahead_onto_the_gpu_gives_the_same_artifact_bytes(tiny_tokenizer
 def test_quantize_asks_for_expandable_segments_unless_the_caller_configured_the_allocator(caller, tiny_tokenizer,
                                                                                            small_data, tmp_path,
                                                                                            monkeypatch):
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     if caller is not None:
-        monkeypatch.setenv(caller, "max_split_size_mb:64")
+        environ[caller] = "max_split_size_mb:64"
+    monkeypatch.setattr(os, "environ", environ)  # a copy: what quantize sets stays out of later tests
     src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
     _quantize(src, tmp_path / "q", small_data, "rtn")
     if caller is None:

@@ -391,8 +391,9 @@ def test_two_ranks_write_the_one_process_artifact_and_resume_across_world_sizes(
     assert set(phases) == {*timing.PHASES, "other"} and "engine_phases" not in json.loads(
         (single / "quant_log.json").read_text())
     assert all(phases[name] > 0 for name in ("capture", "stats_forwards", "stats_reduce", "solve", "share", "outputs"))
-    assert phases["block_wait"] >= 0 and phases["finish"] >= 0
-    assert sum(phases.values()) == pytest.approx(log["quantize_seconds"], abs=0.5)
+    # rank 0's solve phase holds the solves of the linears it owns (every other one, in the log's order)
+    own = sum(entry["time_s"] for entry in log["modules"][::2])
+    assert own - 0.01 <= phases["solve"] < log["quantize_seconds"]
 
     killed = tmp_path / "killed"
     result = _torchrun(2, [*args, "--out", killed], kill_after_layer=0)

@@ -1,8 +1,9 @@
 """Where the engine's time goes, phase by phase; opt-in with QUANTKIT_ENGINE_TIMINGS=1.
 
 On a GPU the engine queues work and waits only where it needs a result, so the wall-clock time between two
-points of the code says little about which phase kept the GPU busy. With timings on, the engine synchronises
-the device at every phase boundary and adds each phase's seconds to its total; quantize_checkpoint writes the
+points of the code says little about which phase kept the GPU busy. With timings on, the engine waits for its
+own CUDA stream at every phase boundary (not for the block being read ahead on the reader's stream) and adds
+each phase's seconds to its total; quantize_checkpoint writes the
 totals to the run's summary and quant_log.json as "engine_phases". The synchronisations cost a little time,
 so timings are off unless asked for (on the CPU they cost nothing).
 
@@ -37,8 +38,10 @@ class EngineTimer:
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
     def _sync(self):
+        # the engine's own stream: a device-wide wait would also wait for the block being read ahead on the
+        # reader's stream and charge that read to whichever phase is open
         if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     @contextmanager
     def phase(self, name):
@@ -49,9 +52,11 @@ class EngineTimer:
         start = time.perf_counter()
         try:
             yield
-        finally:
-            self._sync()
+        except BaseException:  # no synchronisation: a CUDA error there would hide the one being raised
             self.seconds[name] += time.perf_counter() - start
+            raise
+        self._sync()
+        self.seconds[name] += time.perf_counter() - start
 
     def report(self, total_seconds) -> dict:
         """{phase: seconds} with "other" = total_seconds less the phases; {} when timings are off."""

@@ -128,12 +128,15 @@ class LazyBlocks:
         not queue behind the engine's work (the check synchronises that stream: the block is complete)."""
         start = time.perf_counter()
         if device.type == "cuda":
-            # one stream for every block: the allocator reuses memory freed by the same stream only, so a
-            # stream per block left each block's memory reserved (32 GiB reserved for a 7B model)
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device)
-            with torch.cuda.stream(self._streams[device]):
-                tensors = self._read(names, device)
+            # this thread's current GPU is 0 until set: switching streams from it would open a CUDA context on
+            # GPU 0 for every rank of a torchrun job
+            with torch.cuda.device(device):
+                # one stream for every block: the allocator reuses memory freed by the same stream only, so a
+                # stream per block left each block's memory reserved (32 GiB reserved for a 7B model)
+                if device not in self._streams:
+                    self._streams[device] = torch.cuda.Stream(device)
+                with torch.cuda.stream(self._streams[device]):
+                    tensors = self._read(names, device)
         else:
             tensors = self._read(names, device)
         self.ahead_seconds += time.perf_counter() - start
@@ -173,7 +176,7 @@ class LazyBlocks:
                     value.record_stream(current)  # made on the reader's stream, used and freed on this one
         else:
             if ahead is not None:
-                ahead[2].result()  # a read ahead of another block: finished and dropped
+                ahead[2].exception()  # a read ahead of another block: waited for and dropped, its error too
             tensors = self._read(self._block_params(index), device)
         self._assign(tensors)
         self.seconds += time.perf_counter() - start

@@ -213,3 +213,15 @@ def test_quantize_asks_for_expandable_segments_unless_the_caller_configured_the_
     else:
         assert os.environ[caller] == "max_split_size_mb:64"
         assert {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ) == {caller}
+
+
+def test_a_checkpoint_with_a_dtype_the_block_reader_does_not_know_is_loaded_whole(tiny_tokenizer, tmp_path,
+                                                                                  monkeypatch, caplog):
+    from quantkit.models.loading import resolve_source
+
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")  # float32 tensors
+    assert lazy.open_lazy(resolve_source(str(src)), torch.float32) is not None
+    monkeypatch.setattr(lazy, "DTYPE_OF", {k: v for k, v in lazy.DTYPE_OF.items() if k != "F32"})
+    with caplog.at_level("WARNING"):
+        assert lazy.open_lazy(resolve_source(str(src)), torch.float32) is None
+    assert "dtype F32, which quantkit's block reader does not know; loading it whole" in caplog.text

@@ -15,8 +15,8 @@ block (the one on its way to the GPU); the GPU holds two. On the CPU there is no
 two blocks in host memory.
 
 A checkpoint whose tensor names are not the model's own (ones transformers renames or merges while it loads,
-e.g. Mixtral's `block_sparse_moe.experts.*.w1`) is loaded whole instead (`open_lazy` returns None and says
-why in the log). Missing or truncated shards are refused up front by `check_shards`.
+e.g. Mixtral's `block_sparse_moe.experts.*.w1`), or that holds a dtype the block reader does not know, is loaded
+whole instead (`open_lazy` returns None and says why in the log). Missing or truncated shards are refused up front by `check_shards`.
 """
 
 import json
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from quantkit.artifact import read_header
 from quantkit.errors import QuantkitError
-from quantkit.tensorfile import file_entries
+from quantkit.tensorfile import DTYPE_OF, file_entries
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,12 @@ def open_lazy(source, dtype):
     where = check_shards(source.path)
     if not where:
         log.info("%s has no safetensors shards; loading it whole", source.display)
+        return None
+    dtypes = {info["dtype"] for fname in set(where.values())
+              for key, info in read_header(Path(source.path) / fname).items() if key != "__metadata__"}
+    if dtypes - set(DTYPE_OF):
+        log.warning("%s holds tensors of dtype %s, which quantkit's block reader does not know; loading it whole "
+                    "instead of one decoder block at a time", source.display, ", ".join(sorted(dtypes - set(DTYPE_OF))))
         return None
     model = empty_model(AutoConfig.from_pretrained(source.path), dtype)
     replace_fused_experts(model, copy_weights=False)

@@ -16,7 +16,8 @@ two blocks in host memory.
 
 A checkpoint whose tensor names are not the model's own (ones transformers renames or merges while it loads,
 e.g. Mixtral's `block_sparse_moe.experts.*.w1`), or that holds a dtype the block reader does not know, is loaded
-whole instead (`open_lazy` returns None and says why in the log). Missing or truncated shards are refused up front by `check_shards`.
+whole instead (`open_lazy` returns None and says why in the log). Missing or truncated shards are refused up
+front by `check_shards`.
 """
 
 import json

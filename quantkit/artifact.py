@@ -55,11 +55,6 @@ CONFIG_KEY = "quantkit_config_sha256"
 LAYOUT_KEY = "quantkit_layout_sha256"
 
 
-def tensor_digest(tensors: dict) -> str:
-    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
-    return contents_digest({name: TensorBytes.of(t) for name, t in tensors.items()})
-
-
 def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -258,7 +253,7 @@ def check_output_location(out_dir, source_path=None, estimated_bytes=None):
                                 f"{estimated_bytes / 2**30:.1f} GiB")
 
 
-def _quantized_entries(qtensors) -> tuple:
+def quantized_entries(qtensors) -> tuple:
     """({module: meta}, {tensor name: TensorBytes}) of the quantized modules. A store that keeps them in
     files (engine.spill.QuantizedStore) hands out file ranges: nothing is read until it is written."""
     if hasattr(qtensors, "stored_tensors"):
@@ -282,7 +277,7 @@ def write_artifact(out_dir, *, model_config: dict, tokenizer, qtensors, float_te
     check_out_dir(out_dir, overwrite)
     with directory_written_whole(out_dir, "the artifact") as tmp:
         tensors = {name: TensorBytes.of(t) for name, t in float_tensors.items()}
-        modules, quantized = _quantized_entries(qtensors)
+        modules, quantized = quantized_entries(qtensors)
         tensors.update(quantized)
         shards = _shard(tensors, max_shard_bytes)
         names = ["model.safetensors"] if len(shards) == 1 else \

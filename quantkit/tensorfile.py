@@ -120,7 +120,8 @@ def layout(entries: dict) -> dict:
 
 
 def contents_digest(entries: dict) -> str:
-    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order (artifact.tensor_digest)."""
+    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order (an artifact shard's
+    `quantkit_sha256`)."""
     digest = hashlib.sha256()
     for name in sorted(entries):
         entry = entries[name]
@@ -163,6 +164,8 @@ def file_entries(path, header: dict) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if info["dtype"] not in DTYPE_OF:
+            raise ValueError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which quantkit does not read")
         begin, _ = info["data_offsets"]
         out[name] = TensorBytes(DTYPE_OF[info["dtype"]], tuple(info["shape"]), path=path, offset=data_start + begin)
     return out

@@ -119,14 +119,9 @@ def _block_weights(model, index):
     return {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(f"model.layers.{index}.")}
 
 
-def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny_tokenizer, tmp_path, monkeypatch):
+def _record_readers(monkeypatch) -> list:
+    """The names of the threads that run LazyBlocks._read, in call order."""
     import threading
-
-    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
-    model, blocks = _opened(src)
-    blocks.load(1)
-    expected = _block_weights(model, 1)
-    blocks.release(1, [n.rpartition(".")[0] for n in expected if n.endswith("proj.weight")])
 
     readers = []
     original = lazy.LazyBlocks._read
@@ -136,6 +131,16 @@ def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny
         return original(self, names, device)
 
     monkeypatch.setattr(lazy.LazyBlocks, "_read", read)
+    return readers
+
+
+def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny_tokenizer, tmp_path, monkeypatch):
+    src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
+    model, blocks = _opened(src)
+    blocks.load(1)
+    expected = _block_weights(model, 1)
+    blocks.release(1, [n.rpartition(".")[0] for n in expected if n.endswith("proj.weight")])
+    readers = _record_readers(monkeypatch)
     blocks.prefetch(1, "cpu")
     blocks.load(1, "cpu")
     assert readers == ["quantkit-block-reader_0"] and blocks.ahead_seconds > 0
@@ -152,8 +157,6 @@ def test_a_block_read_ahead_is_read_in_the_background_and_taken_by_its_load(tiny
 
 
 def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tokenizer, tmp_path, monkeypatch):
-    import threading
-
     from safetensors.torch import load_file, save_file
 
     src = _sharded("llama", tiny_tokenizer, tmp_path / "model")
@@ -164,14 +167,7 @@ def test_a_damaged_block_read_ahead_fails_at_its_own_load_with_one_line(tiny_tok
     tensors[name][0, :3] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
     model, blocks = _opened(src)
-    readers = []
-    original = lazy.LazyBlocks._read
-
-    def read(self, names, device=None):
-        readers.append(threading.current_thread().name)
-        return original(self, names, device)
-
-    monkeypatch.setattr(lazy.LazyBlocks, "_read", read)
+    readers = _record_readers(monkeypatch)
     blocks.prefetch(2, "cpu")
     blocks.load(1, "cpu")  # the damaged read ahead was for another block: dropped, block 1 loads
     assert readers == ["quantkit-block-reader_0", "MainThread"]
@@ -221,7 +217,10 @@ def test_a_checkpoint_with_a_dtype_the_block_reader_does_not_know_is_loaded_whol
 
     src = _sharded("llama", tiny_tokenizer, tmp_path / "model")  # float32 tensors
     assert lazy.open_lazy(resolve_source(str(src)), torch.float32) is not None
-    monkeypatch.setattr(lazy, "DTYPE_OF", {k: v for k, v in lazy.DTYPE_OF.items() if k != "F32"})
+    from quantkit import tensorfile
+
+    monkeypatch.setattr(tensorfile, "DTYPE_OF", {k: v for k, v in tensorfile.DTYPE_OF.items() if k != "F32"})
     with caplog.at_level("WARNING"):
         assert lazy.open_lazy(resolve_source(str(src)), torch.float32) is None
-    assert "dtype F32, which quantkit's block reader does not know; loading it whole" in caplog.text
+    assert "has dtype F32, which quantkit does not read; loading" in caplog.text
+    assert "whole instead of one decoder block at a time" in caplog.text

@@ -21,9 +21,9 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from quantkit.artifact import read_header
+from quantkit.artifact import quantized_entries, read_header
 from quantkit.errors import StorageError
-from quantkit.tensorfile import TensorBytes, file_entries, write_tensor_file
+from quantkit.tensorfile import file_entries, write_tensor_file
 
 
 def spill_dir(out) -> Path:
@@ -63,13 +63,11 @@ class QuantizedStore(Mapping):
         """Take layer `index`'s {module: QuantizedTensor}; the caller then drops them. `path`: a safetensors
         file that already holds exactly these tensors (the layer checkpoint's); else they are written to
         the spill directory."""
-        modules = {name: qt.meta() for name, qt in layer_q.items()}
+        modules, tensors = quantized_entries(layer_q)
         self._layers.append((index, list(modules)))
         self._meta.update(modules)
         if not self.keep:
             return
-        tensors = {f"{name}.{key}": TensorBytes.of(value) for name, qt in layer_q.items()
-                   for key, value in qt.state_dict().items()}
         if path is None:
             path = self._write(index, tensors, modules)
         self._index(path, modules, tensors)

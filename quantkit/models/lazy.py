@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from quantkit.artifact import read_header
 from quantkit.errors import QuantkitError
-from quantkit.tensorfile import DTYPE_OF, file_entries
+from quantkit.tensorfile import file_entries
 
 log = logging.getLogger(__name__)
 
@@ -93,21 +93,15 @@ def _explicit(device) -> torch.device:
 class LazyBlocks:
     """Materialises and releases the decoder blocks of a meta-device model (see the module docstring)."""
 
-    def __init__(self, model, layers_path, directory, dtype, keys):
+    def __init__(self, model, layers_path, directory, dtype, keys, files):
         self.model, self.layers_path = model, layers_path
         self.directory, self.dtype, self.keys = Path(directory), dtype, keys  # keys: param -> (file, tensor)
+        self.files = files  # shard file -> {tensor: TensorBytes}, from the headers (tensorfile.file_entries)
         self.seconds = 0.0  # the engine's time in load(): reading, or waiting for a read ahead to finish
         self.ahead_seconds = 0.0  # reads ahead, in the background thread
-        self._files = {}  # shard file -> {tensor: TensorBytes}
         self._ahead = None  # (block index, device, Future of its checked tensors)
         self._reader = None
         self._streams = {}  # device -> the reader's CUDA stream
-
-    def _entries(self, fname) -> dict:
-        if fname not in self._files:
-            path = self.directory / fname
-            self._files[fname] = file_entries(path, read_header(path))
-        return self._files[fname]
 
     def _read(self, names, device=None) -> dict:
         """{param: tensor in the compute dtype on `device`}, each read with a plain file read into a fresh
@@ -115,7 +109,7 @@ class LazyBlocks:
         out, finite = {}, []
         for name in names:
             fname, key = self.keys[name]
-            value = self._entries(fname)[key].load().to(device=device, dtype=self.dtype)
+            value = self.files[fname][key].load().to(device=device, dtype=self.dtype)
             finite.append(torch.isfinite(value).all())
             out[name] = value
         if finite and not bool(torch.stack(finite).all()):  # one synchronisation per block, not per tensor
@@ -246,11 +240,11 @@ def open_lazy(source, dtype):
     if not where:
         log.info("%s has no safetensors shards; loading it whole", source.display)
         return None
-    dtypes = {info["dtype"] for fname in set(where.values())
-              for key, info in read_header(Path(source.path) / fname).items() if key != "__metadata__"}
-    if dtypes - set(DTYPE_OF):
-        log.warning("%s holds tensors of dtype %s, which quantkit's block reader does not know; loading it whole "
-                    "instead of one decoder block at a time", source.display, ", ".join(sorted(dtypes - set(DTYPE_OF))))
+    try:
+        files = {fname: file_entries(Path(source.path) / fname, read_header(Path(source.path) / fname))
+                 for fname in sorted(set(where.values()))}
+    except ValueError as exc:  # a dtype the block reader does not know
+        log.warning("%s; loading %s whole instead of one decoder block at a time", exc, source.display)
         return None
     model = empty_model(AutoConfig.from_pretrained(source.path), dtype)
     replace_fused_experts(model, copy_weights=False)
@@ -267,7 +261,7 @@ def open_lazy(source, dtype):
         log.warning("the tensor names of %s are not the model's own (no %s); loading it whole instead of one "
                     "decoder block at a time", source.display, missing[0])
         return None
-    blocks = LazyBlocks(model, adapter.layers_path, source.path, dtype, keys)
+    blocks = LazyBlocks(model, adapter.layers_path, source.path, dtype, keys, files)
     blocks.load_outside()
     model.config.use_cache = False
     return model.eval(), blocks, adapter

@@ -21,7 +21,7 @@ import torch
 from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.methods.base import Method, register_method
 from quantkit.methods.configs import AnyPrecisionConfig
-from quantkit.methods.gptq import inverse_cholesky, prepare_hessian
+from quantkit.methods.gptq import ordered_inverse, prepare_hessian
 from quantkit.methods.kmeans import split_runs
 from quantkit.methods.kmeans_native import native_anyprec
 from quantkit.methods.squeezellm import refit_stats, refit_tables, seed_clusters, sensitivity_weights
@@ -75,11 +75,7 @@ class AnyPrecision(Method):
     def _gptq_upscale(self, weight, sens, stats, seed_codes, seed_table, refit):
         """upscale_gptq.py from the seed, with methods/gptq.py's Hessian, act-order and damping."""
         h, _ = prepare_hessian(stats["xtx"], stats["nsamples"], weight.float())
-        perm, hp = None, h
-        if self.act_order:
-            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-            hp = h[perm][:, perm]
-        u, _ = inverse_cholesky(hp, float(self.damp))
+        perm, u, _ = ordered_inverse(h, self.act_order, float(self.damp))
         return gptq_upscale(weight.float(), sens, h, u, perm, seed_codes, seed_table, self.seed_bits,
                             self.parent_bits, refit=refit, sweeps=self.sweeps,
                             band=self.band)

@@ -25,7 +25,7 @@ from quantkit.formats.uniform import num_groups
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.bcq_output import output_bcq_fit
 from quantkit.methods.configs import BCQConfig
-from quantkit.methods.gptq import inverse_cholesky, prepare_hessian
+from quantkit.methods.gptq import ordered_inverse, prepare_hessian
 
 _STOP_REL = 1e-6  # a round that lowers the error by less than this fraction ends the solve
 _RIDGE = 1e-9  # relative ridge (fp64 solve): keeps the normal equations solvable when planes coincide
@@ -176,11 +176,7 @@ class BCQ(Method):
         if not torch.isfinite(weight).all():
             raise QuantkitError("BCQ: the weight contains NaN or Inf")
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
-        perm, hp = None, h
-        if self.act_order:  # stable sort: the same order on every device, as gptq
-            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-            hp = h[perm][:, perm]
-        u, damp = inverse_cholesky(hp, float(self.damp))
+        perm, u, damp = ordered_inverse(h, self.act_order, float(self.damp))
         fit = output_bcq_fit(w, h, u, perm, self.bits, self.group_size, self.offset, self.block_size, self.refits,
                              self.clip_search, self.init, weight_start(self.bits, self.group_size, self.offset,
                                                                        self.rounds))

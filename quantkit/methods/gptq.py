@@ -73,6 +73,15 @@ def inverse_cholesky(h, damp):
                         "check the calibration data or raise --damp")
 
 
+def ordered_inverse(h, act_order, damp):
+    """(perm, U, damp used) for H [d, d]: the processing order of the columns (descending H_ii with act_order,
+    by a stable sort so that it is the same on every device; else None) and the upper Cholesky factor of the
+    damped H⁻¹ in that order (inverse_cholesky)."""
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    u, damp = inverse_cholesky(h if perm is None else h[perm][:, perm], damp)
+    return perm, u, damp
+
+
 def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_groups=False, block_size=128,
                   perm=None, clip_search=False):
     """Quantize weight [k, d] given U = upper Cholesky of H⁻¹ (already permuted when act_order).
@@ -153,11 +162,7 @@ class GPTQ(Method):
 
     def quantize(self, weight, stats):
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
-        perm = None
-        if self.act_order:  # stable sort: the same order on every device
-            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-            h = h[perm][:, perm]
-        h_inv, damp = inverse_cholesky(h, float(self.damp))
+        perm, h_inv, damp = ordered_inverse(h, self.act_order, float(self.damp))
         codes, scales, zeros, g_idx, loss = gptq_quantize(
             w, h_inv, self.bits, self.group_size, self.sym, self.act_order, self.static_groups, self.block_size, perm,
             self.clip_search)

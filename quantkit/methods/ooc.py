@@ -45,7 +45,7 @@ from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.configs import OOCConfig
 from quantkit.methods.error_feedback import column_sweep
-from quantkit.methods.gptq import gptq_quantize, inverse_cholesky, prepare_hessian
+from quantkit.methods.gptq import gptq_quantize, ordered_inverse, prepare_hessian
 
 
 def clear_count(p, g):
@@ -226,11 +226,7 @@ class OOC(Method):
         k, d = weight.shape
         g = effective_group_size(self.group_size, d)
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
-        perm, h_work = None, h
-        if self.act_order:  # as gptq: stable sort, the same order on every device
-            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-            h_work = h[perm][:, perm]
-        h_inv, damp = inverse_cholesky(h_work, float(self.damp))
+        perm, h_inv, damp = ordered_inverse(h, self.act_order, float(self.damp))
         codes, scales, zeros, _, loss = gptq_quantize(w, h_inv, self.low_bits, self.group_size, self.sym,
                                                       self.act_order, self.static_groups, self.block_size, perm,
                                                       self.clip_search)

@@ -384,6 +384,39 @@ void launch(const TileArgs<T>& args, int device) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Static groups (gptq_quantize with static_groups): the params of every group [j·g, min((j+1)·g, d)) of
+// every row of w [R, d], from the weights as they are (formats/uniform.py grouped_uniform_params). One
+// row group per TPR lanes, through the same group_params as the tile kernel's dynamic groups: a tile of
+// width 0 at column 0 makes it read the whole group from `wrow`. Replaces the PyTorch search's 80 rounds
+// of ~10 elementwise kernels over the whole matrix with one read of it.
+template <typename T, int TPR>
+__global__ void __launch_bounds__(BLOCK) gptq_group_params_kernel(const __grid_constant__ TileArgs<T> a,
+                                                                 int64_t rows) {
+  const int lane = threadIdx.x % TPR;
+  const int64_t item = (int64_t(blockIdx.x) * BLOCK + threadIdx.x) / TPR;  // row * G + group
+  if (item >= rows * a.G) return;  // a row group's lanes leave together
+  unsigned mask = 0xffffffffu;
+  if constexpr (TPR < 32) mask = ((1u << TPR) - 1u) << ((threadIdx.x % 32) & ~(TPR - 1));
+  const int64_t row = item / a.G;
+  const int j = int(item - row * a.G);
+  const T* wrow = a.w + row * a.d + int64_t(j) * a.g;
+  const int width = min(a.g, a.d - j * a.g);
+  const int maxq = (1 << a.low_bits) - 1;
+  const GroupParams<T> p = group_params<T, TPR>(a, nullptr, wrow, nullptr, 0, 0, width, lane, mask, maxq, maxq);
+  if (lane == 0) {
+    a.scales[item] = p.s_lo;
+    a.zeros[item] = p.z_lo;
+  }
+}
+
+template <typename T, int TPR>
+void launch_group_params(const TileArgs<T>& args, int64_t rows) {
+  const int64_t threads = rows * args.G * TPR;
+  const dim3 grid(unsigned((threads + BLOCK - 1) / BLOCK));
+  gptq_group_params_kernel<T, TPR><<<grid, BLOCK, 0, c10::cuda::getCurrentCUDAStream()>>>(args, rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T>
 void dispatch_tpr(const TileArgs<T>& args, int64_t tpr, int device) {
   switch (tpr) {
@@ -492,6 +525,55 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
     dispatch_tpr<T>(a, tpr, device.index());
   };
   if (dtype == at::kFloat) {
+    fill(static_cast<float*>(nullptr));
+  } else {
+    fill(static_cast<double*>(nullptr));
+  }
+}
+
+// Scales and zeros [R, G] of every group of g columns of w [R, d] (the last group may be shorter), clip-searched
+// if asked: grouped_uniform_params' values up to the order of the search's sums.
+void gptq_group_params(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
+                       int64_t bits, bool sym, bool clip, double min_scale, int64_t clip_steps, int64_t clip_grid,
+                       double clip_norm, int64_t tpr) {
+  QK_CHECK(w.is_cuda() && w.dim() == 2, "gptq group params: w must be a 2-D CUDA tensor, got ", w.sizes(), " on ",
+              w.device());
+  QK_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
+              "gptq group params: w must be float32 or float64, got ", w.scalar_type());
+  const int64_t R = w.size(0), d = w.size(1);
+  QK_CHECK(d >= 1 && d < (int64_t(1) << 31), "gptq group params: bad width d=", d);
+  QK_CHECK(g >= 1 && g <= d, "gptq group params: group size must be in 1..", d, ", got ", g);
+  QK_CHECK(bits >= 2 && bits <= 8, "gptq group params: bits must be in 2..8, got ", bits);
+  const int64_t G = (d + g - 1) / g;
+  check_tensor(w, "w", w.scalar_type(), {R, d}, w.device());
+  check_tensor(scales, "scales", w.scalar_type(), {R, G}, w.device());
+  check_tensor(zeros, "zeros", w.scalar_type(), {R, G}, w.device());
+  if (R == 0) return;
+  const c10::cuda::CUDAGuard guard(w.device());
+  auto fill = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    TileArgs<T> a{};
+    a.w = w.data_ptr<T>();
+    a.scales = scales.data_ptr<T>();
+    a.zeros = zeros.data_ptr<T>();
+    a.d = int(d);
+    a.G = int(G);
+    a.g = int(g);
+    a.low_bits = int(bits);
+    a.sym = sym;
+    a.clip = clip;
+    a.min_scale = T(min_scale);
+    a.clip_steps = int(clip_steps);
+    a.clip_grid = int(clip_grid);
+    a.clip_norm = T(clip_norm);
+    switch (tpr) {
+      case 8: launch_group_params<T, 8>(a, R); break;
+      case 16: launch_group_params<T, 16>(a, R); break;
+      case 32: launch_group_params<T, 32>(a, R); break;
+      default: QK_CHECK(false, "gptq group params: threads per group must be 8, 16 or 32, got ", tpr);
+    }
+  };
+  if (w.scalar_type() == at::kFloat) {
     fill(static_cast<float*>(nullptr));
   } else {
     fill(static_cast<double*>(nullptr));

@@ -175,6 +175,31 @@ def test_cholesky_retry():
         GPTQ().quantize(weight, {"xtx": -torch.eye(d), "nsamples": 4, "ntokens": 64})
 
 
+def test_linears_reading_one_input_share_the_inverse(monkeypatch):
+    """q/k/v (one stats object) compute U once; each result equals a fresh method's; new statistics, even equal
+    ones in another tensor, compute it again."""
+    from quantkit.methods import gptq as gptq_module
+
+    gen = torch.Generator().manual_seed(5)
+    x = correlated_inputs(300, 64, gen)
+    x[:, 3] = 0  # a dead input: H's fix-up must not depend on the weight
+    stats = hessian_stats(x)
+    weights = [torch.randn(16, 64, generator=gen) for _ in range(3)]
+    calls = []
+    real = gptq_module.ordered_inverse
+    monkeypatch.setattr(gptq_module, "ordered_inverse", lambda *a: calls.append(1) or real(*a))
+    shared = GPTQ(bits=3, group_size=16)
+    got = [shared.quantize(w, stats) for w in weights]
+    assert len(calls) == 1
+    fresh = [GPTQ(bits=3, group_size=16).quantize(w, stats) for w in weights]
+    assert len(calls) == 4
+    for (qt, info), (ref, ref_info) in zip(got, fresh):
+        assert info == ref_info
+        assert all(torch.equal(qt.state_dict()[k], v) for k, v in ref.state_dict().items())
+    shared.quantize(weights[0], {**stats, "xtx": stats["xtx"].clone()})
+    assert len(calls) == 5
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"bits": 1}, "--bits"), ({"group_size": -5}, "--group-size"), ({"damp": 0.0}, "--damp"),
     ({"damp": 2.0}, "--damp"), ({"block_size": 0}, "--block-size"), ({"act_order": "yes"}, "act_order"),

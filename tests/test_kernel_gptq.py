@@ -314,6 +314,61 @@ def test_threads_per_row_variants_agree(kernel, monkeypatch):
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
+def _clip_error(w, scales, zeros, g, bits):
+    """Σ |q(w) − w|^CLIP_NORM of every group under the given params, [k, G] (the clip search's objective)."""
+    from quantkit.formats.uniform import CLIP_NORM, fake_quantize
+
+    cols = torch.arange(w.shape[1], device=w.device) // g
+    fq = fake_quantize(w, scales[:, cols], zeros[:, cols], bits)
+    err = (fq - w).abs().pow(CLIP_NORM)
+    return torch.zeros_like(scales).index_add_(1, cols, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k,d,g,bits,sym", [
+    (300, 1000, 128, 4, False),  # a partial last group
+    (97, 576, 576, 3, False),    # one group per row (per-channel)
+    (64, 384, 32, 2, True),
+    (600, 512, 128, 8, False),
+])
+def test_static_group_params_kernel_matches_pytorch(kernel, poisoned, dtype, k, d, g, bits, sym):
+    """The static-group kernel's scales and zeros equal grouped_uniform_params' (PyTorch, same GPU): exactly
+    without the clip search (min, max and exact per-group arithmetic), and with it wherever the search's
+    best shrink is not a floating-point near-tie; where the two differ, their objectives agree to 1e-5."""
+    from quantkit.formats.uniform import grouped_uniform_params
+
+    gen = torch.Generator().manual_seed(k + d + bits)
+    w = (torch.distributions.StudentT(3.0).sample((k, d)) * 0.02).to(dtype).cuda()
+    w[:3, :g] = 0  # all-zero groups take the [-1, 1] range
+    w[5, :] = w[5, int(torch.randint(d, (1,), generator=gen))]  # a constant row
+    for clip in (False, True):
+        ref = grouped_uniform_params(w, g, bits, sym, clip)
+        got = gptq_cuda.group_params(w, g, bits, sym, clip)
+        assert got is not None and all(bool(torch.isfinite(t).all()) for t in got)
+        if not clip:
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            continue
+        assert agreement(got[0], ref[0]) >= AGREE and agreement(got[1], ref[1]) >= AGREE
+        differ = (got[0] != ref[0]) | (got[1] != ref[1])
+        if differ.any():
+            e_got, e_ref = _clip_error(w, *got, g, bits), _clip_error(w, *ref, g, bits)
+            assert bool(((e_got - e_ref).abs() <= 1e-5 * e_ref.abs())[differ].all())
+
+
+def test_rtn_on_cuda_uses_the_group_params_kernel(kernel, monkeypatch):
+    from quantkit.methods.rtn import RTN
+
+    weight = (torch.randn(256, 640, generator=torch.Generator().manual_seed(3)) * 0.02).cuda()
+    method = RTN(bits=3, group_size=128, clip_search=True)
+    with gptq_cuda.disabled():
+        ref, _ = method.quantize(weight, None)
+    calls = []
+    params = gptq_cuda.group_params
+    monkeypatch.setattr(gptq_cuda, "group_params", lambda *a, **kw: calls.append(1) or params(*a, **kw))
+    got, _ = method.quantize(weight, None)
+    assert calls and agreement(got.codes(), ref.codes()) >= AGREE and agreement(got.scales, ref.scales) >= AGREE
+
+
 def ooc_problem(k, d, g, seed, dtype, scan=1.0):
     weight, stats = problem(k, d, seed, dtype=dtype, device="cuda")
     h, w, u, _ = prepared(weight, stats)

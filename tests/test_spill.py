@@ -6,6 +6,7 @@ import gc
 import hashlib
 import json
 import struct
+import threading
 import types
 import weakref
 
@@ -148,8 +149,9 @@ def _tensor_bytes_reachable(root) -> int:
 @pytest.mark.parametrize("method,nsamples", [("rtn", 0), ("gptq", 2)])
 def test_no_packed_tensor_of_a_finished_layer_stays_alive(method, nsamples, tmp_path, monkeypatch, tiny_tokenizer):
     """Every packed tensor the engine makes is watched (weakref): when layer i is handed to the store, none
-    of layers < i is alive any more, and after the run none is; the in-memory path, the control, keeps
-    them all (so the watch does see tensors that stay)."""
+    of layers < i − WRITES_IN_FLIGHT is alive any more (the layers before it may wait for the writer
+    thread), and once the store has settled none is; the in-memory path, the control, keeps them all (so
+    the watch does see tensors that stay). The spill files are written off the engine's thread."""
     model = tiny_causal_lm("llama", layers=LAYERS, vocab=len(tiny_tokenizer), seed=4)
     quantizer = make_method(method, bits=4, group_size=32)
     calib = torch.randint(0, len(tiny_tokenizer), (nsamples, 16), generator=torch.Generator().manual_seed(0)) \
@@ -173,18 +175,23 @@ def test_no_packed_tensor_of_a_finished_layer_stays_alive(method, nsamples, tmp_
     still_alive = []
 
     def checked_add_layer(index, layer_q, path=None):
-        still_alive.append(alive(range(index)))
+        still_alive.append(alive(range(index - spill.WRITES_IN_FLIGHT)))
         add_layer(index, layer_q, path)
+
+    writers = []
+    write = store._write
+    store._write = lambda *args: writers.append(threading.current_thread()) or write(*args)
 
     store.add_layer = checked_add_layer
     result, _ = driver.quantize_model(model, adapter_for(model), quantizer, calib, progress=False, store=store)
     del store.add_layer
+    # the stored files hold the packed bytes instead: as many as the in-memory path keeps alive
+    stored = sum(e.nbytes for e in store.stored_tensors().values())
     assert len(watched) == LAYERS and all(len(refs) >= 7 * 2 for refs in watched.values())
     assert still_alive == [0] * LAYERS
     assert alive(range(LAYERS)) == 0
     assert len(result) == 7 * LAYERS and _tensor_bytes_reachable(result) == 0
-    # the stored files hold the packed bytes instead: as many as the in-memory path keeps alive
-    stored = sum(e.nbytes for e in store.stored_tensors().values())
+    assert len(writers) == LAYERS and threading.current_thread() not in writers
 
     watched.clear()
     model = tiny_causal_lm("llama", layers=LAYERS, vocab=len(tiny_tokenizer), seed=4)

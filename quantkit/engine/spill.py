@@ -5,13 +5,17 @@ it holds in memory only each module's meta and where its tensors lie. When layer
 tensors go to `<spill dir>/layer-0000i.safetensors`, or, when the layer checkpoint is on, stay in the
 checkpoint's file of the very same tensors (engine/checkpoint.py), which is not written twice; the
 engine then drops them. artifact.write_artifact copies them from those files into the artifact one tensor
-at a time; store[name] reads a module back. Host memory for packed tensors is then about one layer's,
-not the model's (3.4 GB for a 4-bit 7B model).
+at a time; store[name] reads a module back. Host memory for packed tensors is then a few layers', not
+the model's (3.4 GB for a 4-bit 7B model).
 
-The spill directory, `.<out name>.spill-<pid>` beside the output, is the store's alone: remove() deletes
-it whether the run succeeded or failed, and the next run to the same output deletes one a killed run
-left. A store with keep=False (the ranks other than 0 of a torchrun job, which do not write the artifact)
-keeps the modules' meta and nothing else.
+Spill files are written by one background thread while the engine goes on with the next layer (written in
+line, they were most of the 3.8 s a 7B run spent finishing layers); at most WRITES_IN_FLIGHT layers wait for
+it, a failed write is raised at the next layer or read, and every read waits for the writes before it.
+
+The spill directory, `.<out name>.spill-<pid>` beside the output, is the store's alone: remove() deletes it
+(after the writes in flight) whether the run succeeded or failed, and the next run to the same output deletes
+one a killed run left. A store with keep=False (the ranks other than 0 of a torchrun job, which do not write
+the artifact) keeps the modules' meta and nothing else.
 """
 
 import glob
@@ -19,11 +23,14 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from quantkit.artifact import quantized_entries, read_header
 from quantkit.errors import StorageError
 from quantkit.tensorfile import file_entries, write_tensor_file
+
+WRITES_IN_FLIGHT = 2  # layers' packed tensors held in memory at most while the writer catches up
 
 
 def spill_dir(out) -> Path:
@@ -56,6 +63,8 @@ class QuantizedStore(Mapping):
         self._meta = {}  # module -> meta, in the order the layers were finished
         self._tensors = {}  # module -> {short name: TensorBytes (a file range)}
         self._layers = []  # (layer index, [module names])
+        self._writer = None  # the thread writing spill files, started with the first
+        self._pending = []  # (future of a spill file's path, modules, tensors), in layer order
 
     # --- filling ------------------------------------------------------------------------------
 
@@ -68,9 +77,13 @@ class QuantizedStore(Mapping):
         self._meta.update(modules)
         if not self.keep:
             return
-        if path is None:
-            path = self._write(index, tensors, modules)
-        self._index(path, modules, tensors)
+        if path is not None:
+            self._index(path, modules, tensors)
+            return
+        self._settle(keep=WRITES_IN_FLIGHT - 1)  # an earlier layer's failed write is raised here
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="quantkit-spill")
+        self._pending.append((self._writer.submit(self._write, index, tensors, modules), modules, tensors))
 
     def add_file(self, index, path, modules: dict):
         """Take layer `index` from a file that holds its tensors (a resumed run's checkpoint); `modules`:
@@ -89,6 +102,13 @@ class QuantizedStore(Mapping):
             raise StorageError(f"could not write the quantized tensors of layer {index} to {self.directory}: "
                                f"{exc.strerror or exc}") from exc
         return path
+
+    def _settle(self, keep=0):
+        """Index the spill files written so far, in order, waiting until at most `keep` writes are in flight
+        (a write that failed raises its error here)."""
+        while self._pending and (len(self._pending) > keep or self._pending[0][0].done()):
+            future, modules, tensors = self._pending.pop(0)
+            self._index(future.result(), modules, tensors)
 
     def _index(self, path, modules, expected=None):
         found = file_entries(path, read_header(Path(path)))
@@ -113,6 +133,7 @@ class QuantizedStore(Mapping):
     def stored_tensors(self) -> dict:
         """{"module.short": TensorBytes} of every stored tensor: file ranges, nothing read."""
         self._check_kept()
+        self._settle()
         return {f"{name}.{short}": entry for name, own in self._tensors.items() for short, entry in own.items()}
 
     def __getitem__(self, name):
@@ -121,6 +142,7 @@ class QuantizedStore(Mapping):
         if name not in self._meta:
             raise KeyError(name)
         self._check_kept()
+        self._settle()
         tensors = {short: entry.load() for short, entry in self._tensors[name].items()}
         return quantized_tensor_from_state_dict(self._meta[name], tensors)
 
@@ -149,9 +171,20 @@ class QuantizedStore(Mapping):
         if not self.keep:
             return self
         out = QuantizedStore(self.directory / "converted")
-        for index, names in self._layers:
-            out.add_layer(index, {name: convert(name, self[name]) for name in names})
+        try:
+            for index, names in self._layers:
+                out.add_layer(index, {name: convert(name, self[name]) for name in names})
+            out._settle()
+        finally:
+            out._stop_writer()  # this store's remove() takes the directory, not its writer
         return out
 
+    def _stop_writer(self):
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
     def remove(self):
+        self._stop_writer()  # no write may land after the directory is gone
+        self._pending = []
         shutil.rmtree(self.directory, ignore_errors=True)

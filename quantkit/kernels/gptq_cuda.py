@@ -231,6 +231,24 @@ def gptq_columns(w, u, bits, g, sym, scales, zeros, codes, block_size=128, col_g
     return buf.loss.sum() / 2
 
 
+def group_params(w, g, bits, sym, clip_search=False):
+    """formats.uniform.grouped_uniform_params on the GPU, one kernel launch (kernels/gptq.cu): scales and zeros
+    [k, G] of every column group of g of w [k, d] (the last may be shorter), clip-searched if asked. The same
+    arithmetic op by op; only the clip search's sums run in another order, so a group whose best shrink is a
+    near-tie may take the neighbouring one. None when the kernel cannot run (nothing computed)."""
+    mod = _module(w)
+    if mod is None or not _supported(bits):
+        return None
+    k, d = w.shape
+    groups = uniform.num_groups(d, g)
+    scales = _empty(k, groups, dtype=w.dtype, device=w.device)
+    zeros = _empty(k, groups, dtype=w.dtype, device=w.device)
+    mod.group_params(w.contiguous(), scales, zeros, min(g, d), bits, sym, bool(clip_search), uniform.MIN_SCALE,
+                     int(uniform.CLIP_MAX_SHRINK * uniform.CLIP_GRID), uniform.CLIP_GRID, uniform.CLIP_NORM,
+                     threads_per_row(k * groups))
+    return scales, zeros
+
+
 def ooc_columns(w, u, low_bits, high_bits, g, sym, clear_mask, block_size=128, budget=None, fork=None):
     """ooc_gptq on the GPU: the same arguments and results (codes [c, k, d] int64, scales and zeros
     [c, k, G], hscales and hzeros [c, k], dequantized weights [c, k, d]), or None when the kernel cannot run.

@@ -22,6 +22,7 @@ is stored (it would be redundant, and the plain layout keeps the fast kernel pat
 """
 
 import logging
+import weakref
 
 import torch
 
@@ -96,7 +97,8 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     w = weight.clone() if perm is None else weight[:, perm]
     col_group = None  # static groups: the group of each processed column
     if static_groups:  # from the original weights, original column order, every group in one batched search
-        scales, zeros = grouped_uniform_params(weight, g, bits, sym, clip_search)
+        params = gptq_cuda.group_params(weight, g, bits, sym, clip_search) if weight.is_cuda else None
+        scales, zeros = params if params is not None else grouped_uniform_params(weight, g, bits, sym, clip_search)
         orig = range(d) if perm is None else perm.tolist()
         col_group = [c // g for c in orig]
     else:
@@ -162,10 +164,22 @@ class GPTQ(Method):
 
     def quantize(self, weight, stats):
         h, w = prepare_hessian(stats["xtx"], stats["nsamples"], weight)
-        perm, h_inv, damp = ordered_inverse(h, self.act_order, float(self.damp))
+        perm, h_inv, damp = self._ordered_inverse(stats, h)
         codes, scales, zeros, g_idx, loss = gptq_quantize(
             w, h_inv, self.bits, self.group_size, self.sym, self.act_order, self.static_groups, self.block_size, perm,
             self.clip_search)
         g = effective_group_size(self.group_size, weight.shape[1])
         qt = UniformQuantizedTensor.from_codes(codes, scales, zeros, self.bits, g, self.sym, g_idx=g_idx)
         return qt, {"damp": damp, "gptq_loss": loss.item()}
+
+    def _ordered_inverse(self, stats, h):
+        """ordered_inverse of H, kept for the next call with the same statistics: the linears of a group (q/k/v,
+        gate/up) share one stats object, and H depends on it alone (prepare_hessian changes no entry by the
+        weight), so they share U. Only the last one is kept (down_proj's U is ~0.5 GB)."""
+        key = (stats["nsamples"], h.dtype, h.device, self.act_order, float(self.damp))
+        last = self.__dict__.get("_last_inverse")
+        if last is not None and last[0]() is stats["xtx"] and last[1] == key:
+            return last[2]
+        result = ordered_inverse(h, self.act_order, float(self.damp))
+        self.__dict__["_last_inverse"] = (weakref.ref(stats["xtx"]), key, result)
+        return result

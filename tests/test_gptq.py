@@ -200,6 +200,36 @@ def test_linears_reading_one_input_share_the_inverse(monkeypatch):
     assert len(calls) == 5
 
 
+def test_reversed_cholesky_is_the_references_factor():
+    """U from one factorisation and a triangular inverse (what CUDA runs) equals the reference's three
+    factorisations: upper triangular, UᵀU = A⁻¹; and it fails where A is not positive definite."""
+    from quantkit.methods.gptq import reversed_cholesky_factor, three_factorisations_factor
+
+    gen = torch.Generator().manual_seed(6)
+    x = correlated_inputs(400, 96, gen, torch.float64)
+    a = x.T @ x + 0.01 * torch.eye(96, dtype=torch.float64)
+    u, reference = reversed_cholesky_factor(a), three_factorisations_factor(a)
+    assert torch.equal(u, torch.triu(u)) and bool((torch.diagonal(u) > 0).all())
+    assert torch.allclose(u, reference, rtol=0, atol=1e-10 * reference.abs().max().item())
+    assert torch.allclose(u.T @ u @ a, torch.eye(96, dtype=torch.float64), atol=1e-8)
+    indefinite = a - 2 * torch.linalg.eigvalsh(a)[-1] * torch.eye(96, dtype=torch.float64)
+    assert reversed_cholesky_factor(indefinite) is None and three_factorisations_factor(indefinite) is None
+
+
+@pytest.mark.requires("cuda")
+def test_cuda_inverse_factor_is_accurate_in_fp32():
+    """The CUDA path's U in fp32 against the fp64 reference: the error of an fp32 factorisation, no more."""
+    from quantkit.methods.gptq import inverse_cholesky, three_factorisations_factor
+
+    gen = torch.Generator().manual_seed(7)
+    x = correlated_inputs(3000, 1024, gen, torch.float64)
+    h = x.T @ x
+    reference = three_factorisations_factor(h + 0.01 * torch.diagonal(h).mean() * torch.eye(1024, dtype=h.dtype))
+    u, damp = inverse_cholesky(h.float().cuda(), 0.01)
+    assert damp == 0.01
+    assert (u.double().cpu() - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"bits": 1}, "--bits"), ({"group_size": -5}, "--group-size"), ({"damp": 0.0}, "--damp"),
     ({"damp": 2.0}, "--damp"), ({"block_size": 0}, "--block-size"), ({"act_order": "yes"}, "act_order"),

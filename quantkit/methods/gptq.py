@@ -58,20 +58,42 @@ def prepare_hessian(xtx, nsamples, weight):
 
 def inverse_cholesky(h, damp):
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp·mean(diag H); when a factorisation fails
-    (H indefinite or too ill-conditioned for the dtype), retry with damp ×10. Returns (U, damp used)."""
+    (H indefinite or too ill-conditioned for the dtype), retry with damp ×10. Returns (U, damp used).
+    On the CPU by the reference's three factorisations, on CUDA by the reversed Cholesky (half the time:
+    docs/gptq-kernel.md)."""
     mean_diag = torch.diagonal(h).mean()
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    factor = reversed_cholesky_factor if h.is_cuda else three_factorisations_factor
     for attempt in range(DAMP_RETRIES + 1):
-        lower, info = torch.linalg.cholesky_ex(h + (damp * mean_diag) * eye)
-        if info.item() == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
-            if info.item() == 0 and torch.isfinite(upper).all():
-                if attempt:
-                    log.warning("gptq: Cholesky factorisation needed damp=%g", damp)
-                return upper, damp
+        upper = factor(h + (damp * mean_diag) * eye)
+        if upper is not None and torch.isfinite(upper).all():
+            if attempt:
+                log.warning("gptq: Cholesky factorisation needed damp=%g", damp)
+            return upper, damp
         damp *= 10
     raise QuantkitError(f"gptq: Hessian is not positive definite even with damp={damp / 10:g}; "
                         "check the calibration data or raise --damp")
+
+
+def three_factorisations_factor(a):
+    """U upper with UᵀU = A⁻¹ as the GPTQ reference computes it: L = chol(A), A⁻¹ from L, U = chol(A⁻¹, upper).
+    None where a factorisation fails."""
+    lower, info = torch.linalg.cholesky_ex(a)
+    if info.item():
+        return None
+    upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    return None if info.item() else upper
+
+
+def reversed_cholesky_factor(a):
+    """The same U with one factorisation and one triangular inverse: with J the reversal of the indices,
+    chol(J A J) = L' gives A⁻¹ = J L'⁻ᵀ L'⁻¹ J = (J L'⁻¹ J)ᵀ (J L'⁻¹ J), and J L'⁻¹ J is upper triangular with a
+    positive diagonal, so it is U. None where the factorisation fails."""
+    lower, info = torch.linalg.cholesky_ex(a.flip(0, 1))
+    if info.item():
+        return None
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
 
 
 def ordered_inverse(h, act_order, damp):

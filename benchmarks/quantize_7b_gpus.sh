@@ -20,8 +20,9 @@ exec > >(tee "$out/summary.log") 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
 python3 -c "from quantkit.kernels import build; print('gptq kernel', 'built' if build.load('gptq') else 'FAILED')" &
+kernel=$!
 python3 benchmarks/bench_quantize_7b.py --build-only --workdir "$work" | tail -n 1
-wait
+wait "$kernel"  # not a bare wait: it would also wait for the tee below, which never ends
 echo "== ready after $(( $(date +%s) - start )) s; GPU counts: $counts"
 last=1
 for n in $counts; do

@@ -224,6 +224,7 @@ def _quantize_together(ranks, jobs, method, device, timer=None):
             return [_quantize_linear(method, name, linear, stats, device) for _, name, linear, stats in jobs]
     with timer.phase("solve"):
         own = _quantize_own(ranks, jobs, method, device)
+    timer.wait_for(ranks)
     with timer.phase("share"):
         return _share(ranks, jobs, own, device)
 
@@ -315,6 +316,7 @@ class _BlockPass:
                 collector.remove()
             if experts is not None:
                 experts.calibrate_on_all_tokens = frozenset()
+        self.timer.wait_for(self.ranks)
         with self.timer.phase("stats_reduce"):
             return {group: collector.stats(self.ranks) for group, collector in zip(groups, collectors)}
 

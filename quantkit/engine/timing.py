@@ -13,7 +13,9 @@ Phases, per rank:
   stats_forwards  the statistics passes (the block's forwards with the collecting hooks)
   stats_reduce    summing the statistics over the ranks (the fixed-order chain of engine.distributed)
   solve           quantizing the linears this rank owns
-  share           receiving the other ranks' results (waiting for an owner still solving included)
+  share           sending and receiving the ranks' results and putting them in place
+  wait            under torchrun, waiting for the other ranks before the two steps above: with timings on,
+                  every rank meets the others there (a barrier), so that the two measure their own work
   outputs         the quantized block's outputs, the next block's inputs
   finish          dropping the block and recording its tensors (spill, layer checkpoint)
   other           the rest of the engine's time (learning a block's plan, checks)
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 ENV = "QUANTKIT_ENGINE_TIMINGS"
-PHASES = ("capture", "block_wait", "stats_forwards", "stats_reduce", "solve", "share", "outputs", "finish")
+PHASES = ("capture", "block_wait", "stats_forwards", "stats_reduce", "solve", "share", "wait", "outputs", "finish")
 
 
 class EngineTimer:
@@ -57,6 +59,12 @@ class EngineTimer:
             raise
         self._sync()
         self.seconds[name] += time.perf_counter() - start
+
+    def wait_for(self, ranks):
+        """With timings on, the ranks meet here (phase "wait"); otherwise nothing happens."""
+        if self.enabled and ranks.distributed:
+            with self.phase("wait"):
+                ranks.barrier()
 
     def report(self, total_seconds) -> dict:
         """{phase: seconds} with "other" = total_seconds less the phases; {} when timings are off."""

@@ -2,6 +2,8 @@
 act-order artifacts, dead inputs, the Cholesky retry, settings, and the engine end to end."""
 
 import copy
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -198,6 +200,15 @@ def test_linears_reading_one_input_share_the_inverse(monkeypatch):
         assert all(torch.equal(qt.state_dict()[k], v) for k, v in ref.state_dict().items())
     shared.quantize(weights[0], {**stats, "xtx": stats["xtx"].clone()})
     assert len(calls) == 5
+    gc.collect()
+    assert "_last_inverse" not in shared.__dict__  # that call's statistics are gone, and their U with them
+    shared.quantize(weights[1], stats)
+    assert len(calls) == 6
+    kept = weakref.ref(shared.__dict__["_last_inverse"][2][1])
+    assert kept() is not None  # kept while its statistics live
+    del stats, got, fresh
+    gc.collect()
+    assert kept() is None and "_last_inverse" not in shared.__dict__
 
 
 def test_reversed_cholesky_is_the_references_factor():

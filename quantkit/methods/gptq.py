@@ -197,11 +197,24 @@ class GPTQ(Method):
     def _ordered_inverse(self, stats, h):
         """ordered_inverse of H, kept for the next call with the same statistics: the linears of a group (q/k/v,
         gate/up) share one stats object, and H depends on it alone (prepare_hessian changes no entry by the
-        weight), so they share U. Only the last one is kept (down_proj's U is ~0.5 GB)."""
+        weight), so they share U. Only the last one is kept, and only while its statistics live: the engine
+        drops a group's statistics after the group, and down_proj's U (~0.5 GB) must not outlive them into the
+        next block's forwards."""
+        xtx = stats["xtx"]
         key = (stats["nsamples"], h.dtype, h.device, self.act_order, float(self.damp))
         last = self.__dict__.get("_last_inverse")
-        if last is not None and last[0]() is stats["xtx"] and last[1] == key:
+        if last is not None and last[0]() is xtx and last[1] == key:
             return last[2]
         result = ordered_inverse(h, self.act_order, float(self.damp))
-        self.__dict__["_last_inverse"] = (weakref.ref(stats["xtx"]), key, result)
+        entry = (weakref.ref(xtx), key, result)
+        self.__dict__["_last_inverse"] = entry
+        weakref.finalize(xtx, _forget_inverse, self.__dict__, id(entry))
         return result
+
+
+def _forget_inverse(method_dict, entry_id):
+    """Drop GPTQ's kept U when its statistics die, unless a newer one has replaced it (a reused id only costs a
+    recomputation)."""
+    entry = method_dict.get("_last_inverse")
+    if entry is not None and id(entry) == entry_id:
+        del method_dict["_last_inverse"]

@@ -2,9 +2,10 @@
 
 The default `gptq` method (w4g128, act-order, static groups, clip search) runs on the seven linears of a
 Llama-2-7B block (random weights, H from correlated random tokens as in bench_gptq_kernel.py), each stage timed
-with the stream synchronised around it, the way GPTQ.quantize chains them; then the engine's own call
-(engine.driver._quantize_linear: the method plus the dequantized weight, weight and output error) is timed
-whole. Prints a table and writes JSON.
+with the stream synchronised around it, the way GPTQ.quantize chains them (gptq_quantize includes the
+static-group params, which are also timed alone, in PyTorch and by the kernel gptq_quantize uses on CUDA); then
+the engine's own call (engine.driver._quantize_linear: the method plus the dequantized weight, weight and
+output error) is timed whole, each linear with its own statistics (no U shared). Prints a table and writes JSON.
 
   python3 benchmarks/profile_gptq_layer.py --json $OUT/gptq_layer_profile.json
 """
@@ -19,6 +20,7 @@ from bench_gptq_kernel import make_layer  # benchmarks/, next to this script
 
 from quantkit.engine.driver import _quantize_linear
 from quantkit.formats.uniform import UniformQuantizedTensor, grouped_uniform_params
+from quantkit.kernels import gptq_cuda
 from quantkit.methods import make_method
 from quantkit.methods.base import effective_group_size
 from quantkit.methods.gptq import gptq_quantize, ordered_inverse, prepare_hessian
@@ -36,17 +38,19 @@ def timed(fn):
 
 
 def stages(method, weight, xtx, nsamples):
-    """Seconds of each stage of GPTQ.quantize (same calls, same order)."""
+    """Seconds of each stage of GPTQ.quantize (same calls, same order), and the static-group params both ways."""
     t = {}
     (h, w), t["prepare_hessian"] = timed(lambda: prepare_hessian(xtx, nsamples, weight))
+    # the device's form: on CUDA the reversed Cholesky (gptq.inverse_cholesky)
     (perm, u, _), t["ordered_inverse"] = timed(lambda: ordered_inverse(h, method.act_order, float(method.damp)))
     g = effective_group_size(method.group_size, w.shape[1])
-    _, t["static_group_params"] = timed(lambda: grouped_uniform_params(w, g, method.bits, method.sym,
-                                                                        method.clip_search))
+    _, t["static_group_params_pytorch"] = timed(lambda: grouped_uniform_params(w, g, method.bits, method.sym,
+                                                                                method.clip_search))
+    _, t["static_group_params_kernel"] = timed(lambda: gptq_cuda.group_params(w, g, method.bits, method.sym,
+                                                                               method.clip_search))
     (codes, scales, zeros, g_idx, loss), t["gptq_quantize"] = timed(lambda: gptq_quantize(
         w, u, method.bits, method.group_size, method.sym, method.act_order, method.static_groups,
         method.block_size, perm, method.clip_search))
-    t["column_loop"] = t["gptq_quantize"] - t["static_group_params"]  # gptq_quantize runs the params itself
     qt, t["pack"] = timed(lambda: UniformQuantizedTensor.from_codes(codes, scales, zeros, method.bits, g,
                                                                      method.sym, g_idx=g_idx))
     _, t["dequantize"] = timed(lambda: qt.dequantize(torch.float32))

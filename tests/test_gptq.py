@@ -184,7 +184,7 @@ def test_linears_reading_one_input_share_the_inverse(monkeypatch):
 
     gen = torch.Generator().manual_seed(5)
     x = correlated_inputs(300, 64, gen)
-    x[:, 3] = 0  # a dead input: H's fix-up must not depend on the weight
+    x[:, 3] = 0  # a dead input: each weight's column 3 is zeroed, the shared H is fixed up once
     stats = hessian_stats(x)
     weights = [torch.randn(16, 64, generator=gen) for _ in range(3)]
     calls = []
@@ -200,10 +200,16 @@ def test_linears_reading_one_input_share_the_inverse(monkeypatch):
         assert all(torch.equal(qt.state_dict()[k], v) for k, v in ref.state_dict().items())
     shared.quantize(weights[0], {**stats, "xtx": stats["xtx"].clone()})
     assert len(calls) == 5
+    kept_stats = {**stats, "xtx": stats["xtx"].clone()}
+    shared.quantize(weights[0], kept_stats)
+    kept_stats["xtx"].mul_(2)  # changed in place (statistics are read-only; still not reused stale)
+    shared.quantize(weights[0], kept_stats)
+    assert len(calls) == 7
+    del kept_stats
     gc.collect()
     assert "_last_inverse" not in shared.__dict__  # that call's statistics are gone, and their U with them
     shared.quantize(weights[1], stats)
-    assert len(calls) == 6
+    assert len(calls) == 8
     kept = weakref.ref(shared.__dict__["_last_inverse"][2][1])
     assert kept() is not None  # kept while its statistics live
     del stats, got, fresh
@@ -238,7 +244,7 @@ def test_cuda_inverse_factor_is_accurate_in_fp32():
     reference = three_factorisations_factor(h + 0.01 * torch.diagonal(h).mean() * torch.eye(1024, dtype=h.dtype))
     u, damp = inverse_cholesky(h.float().cuda(), 0.01)
     assert damp == 0.01
-    assert (u.double().cpu() - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+    assert (u.double().cpu() - reference).abs().max().item() <= 2e-5 * reference.abs().max().item()
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -355,6 +355,25 @@ def test_static_group_params_kernel_matches_pytorch(kernel, poisoned, dtype, k, 
             assert bool(((e_got - e_ref).abs() <= 1e-5 * e_ref.abs())[differ].all())
 
 
+def test_static_group_params_every_lane_count_agrees(kernel, monkeypatch):
+    """The kernel's 8, 16 and 32 lanes per group (a 7B layer takes 8) give the PyTorch values without the clip
+    search, and agree with each other and with PyTorch on nearly every group with it."""
+    from quantkit.formats.uniform import grouped_uniform_params
+
+    w = (torch.distributions.StudentT(3.0).sample((512, 640)) * 0.02).cuda()
+    for clip in (False, True):
+        ref = grouped_uniform_params(w, 128, 3, False, clip)
+        results = []
+        for tpr in (8, 16, 32):
+            monkeypatch.setattr(gptq_cuda, "threads_per_row", lambda rows, tpr=tpr: tpr)
+            results.append(gptq_cuda.group_params(w, 128, 3, False, clip))
+        for scales, zeros in results:
+            if clip:
+                assert agreement(scales, ref[0]) >= AGREE and agreement(zeros, ref[1]) >= AGREE
+            else:
+                assert torch.equal(scales, ref[0]) and torch.equal(zeros, ref[1])
+
+
 def test_rtn_on_cuda_uses_the_group_params_kernel(kernel, monkeypatch):
     from quantkit.methods.rtn import RTN
 

@@ -107,8 +107,9 @@ class QuantizedStore(Mapping):
         """Index the spill files written so far, in order, waiting until at most `keep` writes are in flight
         (a write that failed raises its error here)."""
         while self._pending and (len(self._pending) > keep or self._pending[0][0].done()):
-            future, modules, tensors = self._pending.pop(0)
-            self._index(future.result(), modules, tensors)
+            future, modules, tensors = self._pending[0]
+            self._index(future.result(), modules, tensors)  # a failed write stays pending: raised again on reads
+            self._pending.pop(0)
 
     def _index(self, path, modules, expected=None):
         found = file_entries(path, read_header(Path(path)))

@@ -15,7 +15,8 @@ Phases, per rank:
   solve           quantizing the linears this rank owns
   share           sending and receiving the ranks' results and putting them in place
   wait            under torchrun, waiting for the other ranks before the two steps above: with timings on,
-                  every rank meets the others there (a barrier), so that the two measure their own work
+                  every rank meets the others there (a barrier), so that the two measure their own work; every
+                  rank must then see the same setting (torchrun hands its environment to all of them)
   outputs         the quantized block's outputs, the next block's inputs
   finish          dropping the block and recording its tensors (spill, layer checkpoint)
   other           the rest of the engine's time (learning a block's plan, checks)

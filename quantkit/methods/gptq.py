@@ -201,7 +201,7 @@ class GPTQ(Method):
         drops a group's statistics after the group, and down_proj's U (~0.5 GB) must not outlive them into the
         next block's forwards."""
         xtx = stats["xtx"]
-        key = (stats["nsamples"], h.dtype, h.device, self.act_order, float(self.damp))
+        key = (stats["nsamples"], xtx._version, h.dtype, h.device, self.act_order, float(self.damp))
         last = self.__dict__.get("_last_inverse")
         if last is not None and last[0]() is xtx and last[1] == key:
             return last[2]

@@ -244,7 +244,7 @@ def test_cuda_inverse_factor_is_accurate_in_fp32():
     reference = three_factorisations_factor(h + 0.01 * torch.diagonal(h).mean() * torch.eye(1024, dtype=h.dtype))
     u, damp = inverse_cholesky(h.float().cuda(), 0.01)
     assert damp == 0.01
-    assert (u.double().cpu() - reference).abs().max().item() <= 2e-5 * reference.abs().max().item()
+    assert (u.double().cpu() - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -1,4 +1,5 @@
-// Python binding of the fused GPTQ / k-OOC tile kernel and the static-group params kernel (gptq.cu); quantkit/kernels/gptq_cuda.py is the caller.
+// Python binding of the fused GPTQ / k-OOC tile kernel and the static-group params kernel (gptq.cu);
+// quantkit/kernels/gptq_cuda.py is the caller.
 #include <torch/extension.h>
 
 #include <optional>

@@ -14,7 +14,9 @@ anyprec_variants.shape_class for how a module's shape finds its class).
 
 Without --write the table is printed; with it the module is rewritten (entries of GPUs not given are kept).
 --summary writes, per GPU, shape, width and batch, the chosen instance against today's kernel and cuBLAS fp16
-(kernels at their slowest time over the runs, cuBLAS at its fastest).
+(kernels at their slowest time over the runs, cuBLAS at its fastest), with the bytes the kernel reads per µs and
+that rate as a fraction of cuBLAS fp16's (the fp16 weight, x and y over its time); --markdown prints that rate per case
+as RESULTS.md's table.
 """
 
 import argparse
@@ -43,7 +45,10 @@ def combine(runs):
         for r in rows:
             key = (r["shape"][0], r["shape"][1], r["bits"], r["batch"])
             timed = {n: v["us"] for n, v in r["candidates"].items() if "us" in v}
-            case = cases.setdefault(key, {"cublas_us": r.get("cublas_us"), "us": timed, "runs": 0})
+            case = cases.setdefault(key, {"cublas_us": r.get("cublas_us"), "us": timed, "runs": 0,
+                                          "bytes_read": r.get("bytes_read"),
+                                          "cublas_bytes": r["cublas_gbs"] * r["cublas_us"] * 1e3
+                                          if r.get("cublas_gbs") and r.get("cublas_us") else None})
             if case["runs"]:
                 case["us"] = {n: max(us, timed[n]) for n, us in case["us"].items() if n in timed}
                 if r.get("cublas_us") is not None and case["cublas_us"] is not None:
@@ -68,7 +73,8 @@ def choose(runs, min_gain, today_widths=()):
                 and bits not in today_widths]
         best = min(fine, key=lambda n: (us[n], order[n]), default="today")
         evidence[(rows, cols, bits, batch)] = {"name": best, "today_us": today, "us": us[best],
-                                               "cublas_us": case["cublas_us"], "runs": case["runs"]}
+                                               "cublas_us": case["cublas_us"], "runs": case["runs"],
+                                               "bytes_read": case["bytes_read"], "cublas_bytes": case["cublas_bytes"]}
         if best != "today":
             per_shape.setdefault(bits, {})[batch] = best
     for per_shape in chosen.values():
@@ -90,8 +96,30 @@ def summary(evidence):
         if e["cublas_us"]:
             row.update(cublas_us=round(e["cublas_us"], 2), today_x_cublas=round(e["cublas_us"] / e["today_us"], 3),
                        chosen_x_cublas=round(e["cublas_us"] / e["us"], 3))
+        if e["bytes_read"]:
+            row.update(bytes_read=e["bytes_read"], chosen_gbs=round(e["bytes_read"] / e["us"] / 1e3, 1))
+            if e["cublas_us"] and e["cublas_bytes"]:
+                cublas_gbs = e["cublas_bytes"] / e["cublas_us"] / 1e3
+                row.update(cublas_gbs=round(cublas_gbs, 1), chosen_fraction_of_cublas_rate=round(
+                    e["bytes_read"] / e["us"] / 1e3 / cublas_gbs, 3))
         out.append(row)
     return out
+
+
+def markdown(card, cases):
+    """RESULTS.md rows: per shape and batch, the served instance's GB/s of bytes read (its fraction of cuBLAS
+    fp16's streaming rate) at each width."""
+    lines = []
+    shapes = sorted({(c["shape"][0], c["shape"][1], c["batch"]) for c in cases},
+                    key=lambda s: (s[0] * s[1], s[0], s[2]))
+    for rows, cols, batch in shapes:
+        here = {c["bits"]: c for c in cases if c["shape"] == [rows, cols] and c["batch"] == batch}
+        first = next(iter(here.values()))
+        cells = [f"{here[k]['chosen_gbs']:.0f} ({here[k]['chosen_fraction_of_cublas_rate']:.2f})" if k in here
+                 and "chosen_fraction_of_cublas_rate" in here[k] else "–" for k in range(3, 9)]
+        cublas = f"{first.get('cublas_gbs', 0):.0f}"
+        lines.append(f"| {rows}×{cols} | {card} | {batch} | {cublas} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def render(choices, sources):
@@ -114,6 +142,7 @@ def main():
                          "measured the table's choices slower than today's kernel)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {MODULE.name}")
     ap.add_argument("--summary", help="write the chosen-against-today speedups per case to this JSON file")
+    ap.add_argument("--markdown", action="store_true", help="print each case's GB/s as RESULTS.md's table rows")
     args = ap.parse_args()
     today_widths = sorted({int(w) for w in args.today_widths.split(",") if w})
 
@@ -137,6 +166,9 @@ def main():
             if e["name"] != "today":
                 print(f"  {rows}x{cols} bits {bits} batch {batch}: {e['name']} {e['us']:.1f} us against "
                       f"today's {e['today_us']:.1f} ({e['today_us'] / e['us']:.3f}x)")
+    if args.markdown:
+        for key in sorted(report):
+            print(markdown(key, report[key]["cases"]))
     if args.summary:
         Path(args.summary).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.summary}")

@@ -29,7 +29,6 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats.uniform import (
     UniformQuantizedTensor,
-    grouped_uniform_params,
     num_groups,
     quantize_codes,
     uniform_params,
@@ -37,6 +36,7 @@ from quantkit.formats.uniform import (
 from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.configs import GPTQConfig
+from quantkit.methods.rtn import group_params
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,7 @@ def gptq_quantize(weight, h_inv, bits, group_size, sym, act_order=False, static_
     w = weight.clone() if perm is None else weight[:, perm]
     col_group = None  # static groups: the group of each processed column
     if static_groups:  # from the original weights, original column order, every group in one batched search
-        params = gptq_cuda.group_params(weight, g, bits, sym, clip_search) if weight.is_cuda else None
-        scales, zeros = params if params is not None else grouped_uniform_params(weight, g, bits, sym, clip_search)
+        scales, zeros = group_params(weight, g, bits, sym, clip_search)
         orig = range(d) if perm is None else perm.tolist()
         col_group = [c // g for c in orig]
     else:

@@ -2,31 +2,27 @@
 
 import torch
 
-from quantkit.formats.uniform import UniformQuantizedTensor, num_groups, quantize_codes, uniform_params
+from quantkit.formats.uniform import UniformQuantizedTensor, grouped_uniform_params, quantize_codes
 from quantkit.kernels import gptq_cuda
 from quantkit.methods.base import Method, effective_group_size, register_method
 from quantkit.methods.configs import RTNConfig
 
 
-def rtn_quantize(weight, bits, group_size, sym, clip_search=False):
-    """Quantize every group of `weight` independently; returns codes [k, d], scales and zeros [k, G]."""
-    k, d = weight.shape
-    g = effective_group_size(group_size, d)
-    groups = num_groups(d, g)
-    codes = torch.empty(k, d, dtype=torch.int64, device=weight.device)
-    scales = torch.empty(k, groups, dtype=torch.float32, device=weight.device)
-    zeros = torch.empty_like(scales)
-    # on CUDA one kernel finds every group's params (the clip search alone is ~800 small kernels a group here)
+def group_params(weight, g, bits, sym, clip_search=False):
+    """Scale and zero [k, G] of every group of g columns of `weight`, from the weights as they are (RTN, and GPTQ's
+    static groups): one CUDA kernel on the GPU (kernels/gptq_cuda.group_params), else
+    formats.uniform.grouped_uniform_params (the same values as one uniform_params call per group)."""
     params = gptq_cuda.group_params(weight, g, bits, sym, clip_search) if weight.is_cuda else None
-    for j in range(groups):
-        cols = slice(j * g, min(d, (j + 1) * g))
-        if params is None:
-            scale, zero = uniform_params(weight[:, cols], bits, sym, clip_search)
-        else:
-            scale, zero = params[0][:, j], params[1][:, j]
-        codes[:, cols] = quantize_codes(weight[:, cols], scale[:, None], zero[:, None], bits).to(torch.int64)
-        scales[:, j], zeros[:, j] = scale, zero
-    return codes, scales, zeros, g
+    return params if params is not None else grouped_uniform_params(weight, g, bits, sym, clip_search)
+
+
+def rtn_quantize(weight, bits, group_size, sym, clip_search=False):
+    """Quantize every group of `weight` independently; returns codes [k, d], scales and zeros [k, G] (fp32)."""
+    g = effective_group_size(group_size, weight.shape[1])
+    scales, zeros = group_params(weight, g, bits, sym, clip_search)
+    group = torch.arange(weight.shape[1], device=weight.device) // g  # elementwise, as one call per group
+    codes = quantize_codes(weight, scales[:, group], zeros[:, group], bits).to(torch.int64)
+    return codes, scales.to(torch.float32), zeros.to(torch.float32), g
 
 
 @register_method(RTNConfig)

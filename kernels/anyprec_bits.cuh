@@ -31,6 +31,9 @@ constexpr int FLAG_PAIR = 8, FLAG_OCC = 16;
 // table per row is read without bank conflicts; it reads the planes in the rows layout (anyprec_gemm.rows_layout).
 // FLAG_OCC sizes it for one more resident block as well.
 constexpr int FLAG_ROWS = 32;
+// With FLAG_ROWS at k = 4: tables of code pairs, one 4-byte entry per two codes of a row (256 per row), so one
+// lookup gives a whole B register of the mma and no byte permute is needed (anyprec_rows.cuh).
+constexpr int FLAG_CODE_PAIRS = 64;
 
 enum Status { kOk = 0, kUnsupported = 1, kBadArgs = 2, kLaunchFailed = 3 };
 

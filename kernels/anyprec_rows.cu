@@ -19,13 +19,13 @@ template <int K, typename T, int NB, int FLAGS>
 __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) rows_kernel(const MatvecArgs args) {
   using C = RowsConfig<K, NB, FLAGS>;
   constexpr int S = C::STAGES, NBG = C::NBG;
-  // the table: dynamic and aligned where lookups or its address in (TABLE_OR), else static (at batch 8 the compiler
-  // then folds its address into the lookups' uniform-register operand)
-  __shared__ __align__(16) uint32_t static_table[C::TABLE_OR ? 4 : C::TABLE_WORDS];
+  // the table: dynamic and aligned where lookups or its address in (TABLE_OR), dynamic past the ring with PAIRS, else
+  // static (at batch 8 the compiler then folds its address into the lookups' uniform-register operand)
+  __shared__ __align__(16) uint32_t static_table[C::DYNAMIC_TABLE ? 4 : C::TABLE_WORDS];
   extern __shared__ __align__(16) unsigned char ring_smem[];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
   const uint32_t table_off = rows_table_offset<K, NB, FLAGS>(smem_base);
-  uint32_t* table = C::TABLE_OR ? reinterpret_cast<uint32_t*>(ring_smem + table_off) : static_table;
+  uint32_t* table = C::DYNAMIC_TABLE ? reinterpret_cast<uint32_t*>(ring_smem + table_off) : static_table;
   qk::allow_next_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int M = args.M, W = args.W, split = gridDim.y, rank = blockIdx.y;
@@ -61,8 +61,13 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
   }
 
   const uint16_t* lut = args.lut;
-  for (int i = threadIdx.x; i < (1 << K) / 8 * 32; i += C::THREADS)
-    rows_table_fill<K, T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+  if constexpr (C::PAIRS) {
+    for (int i = threadIdx.x; i < 2 * 32 * 16; i += C::THREADS)
+      rows_pair_table_fill<T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+  } else {
+    for (int i = threadIdx.x; i < (1 << K) / 8 * 32; i += C::THREADS)
+      rows_table_fill<K, T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+  }
   __syncthreads();
   qk::wait_prior_grid();  // planes and tables are the weights; x and out belong to earlier kernels
 
@@ -80,11 +85,13 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     xa[bg] = x + size_t(on_a[bg] ? ra : 0) * args.ldx;
     xb[bg] = x + size_t(on_b[bg] ? rb : 0) * args.ldx;
   }
-  const uint32_t table_addr = C::TABLE_OR ? smem_base + table_off : 0u;
+  const uint32_t table_addr = C::DYNAMIC_TABLE ? smem_base + table_off : 0u;
   const uint32_t lane_addr = C::TABLE_OR ? table_addr | uint32_t(lane) * 4u : uint32_t(lane) * 4u;
+  const uint32_t pair_off[2] = {uint32_t(lane) * 4u, uint32_t(lane) * 4u + 128u};  // PAIRS: rows l and 32 + l
   const char* table_bytes = reinterpret_cast<const char*>(table);
-  // TABLE_OR: a window address; else a byte offset into the static table
+  // TABLE_OR: a window address; PAIRS: a byte offset into the dynamic table; else into the static table
   auto lookup = [&](uint32_t addr) {
+    if constexpr (C::PAIRS) return *reinterpret_cast<const uint32_t*>(ring_smem + C::RING_AREA + addr);
     return C::TABLE_OR ? lds32(addr) : *reinterpret_cast<const uint32_t*>(table_bytes + addr);
   };
 
@@ -101,7 +108,49 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
 #pragma unroll
       for (int h = 0; h < 2; ++h) R[h][p] = lds32(ring_addr + stage * C::STEP_BYTES + (p * 2 + h) * 128);
     const int w = first + stride * s;
-    if constexpr (NB == 2) {
+    if constexpr (C::PAIRS) {
+      // x per two U words: columns 8q..8q + 7 and 16 more (q = p / 2) of each batch-row source, A fragments by PRMT.
+      // Up to batch 4, lanes without a batch row read kZeroX: one select per word instead of zeroing registers before
+      // predicated loads (at batch 8 the compiler then branches around the loads, 10 % more instructions)
+      constexpr bool PREDICATED = NB == 8;
+      const T* zeros = reinterpret_cast<const T*>(kZeroX);
+      const T* xwa[NBG];
+      const T* xwb[NBG];
+      bool la[NBG], lb[NBG];
+#pragma unroll
+      for (int bg = 0; bg < NBG; ++bg) {
+        xwa[bg] = PREDICATED || on_a[bg] ? xa[bg] + 32 * w : zeros;
+        xwb[bg] = PREDICATED || on_b[bg] ? xb[bg] + 32 * w : zeros;
+        la[bg] = !PREDICATED || on_a[bg];
+        lb[bg] = !PREDICATED || on_b[bg];
+      }
+      uint32_t lo[NBG][2][4], hi[NBG][2][4];
+      rows_decode_pairs(R, pair_off, lookup, [&](int p, int ii, const uint32_t (&b)[2][2]) {
+        if ((p & 1) == 0 && ii == 0) {
+#pragma unroll
+          for (int bg = 0; bg < NBG; ++bg) {
+            rows_xquad(xwa[bg], la[bg], p >> 1, lo[bg][0]);
+            rows_xquad(xwa[bg], la[bg], (p >> 1) + 2, hi[bg][0]);
+            if constexpr (NB >= 4) {
+              rows_xquad(xwb[bg], lb[bg], p >> 1, lo[bg][1]);
+              rows_xquad(xwb[bg], lb[bg], (p >> 1) + 2, hi[bg][1]);
+            }
+          }
+        }
+#pragma unroll
+        for (int bg = 0; bg < NBG; ++bg) {
+          uint32_t a[4];
+          rows_pair_afrag(lo[bg][0], hi[bg][0], p, ii, a[0], a[2]);
+          if constexpr (NB >= 4) {
+            rows_pair_afrag(lo[bg][1], hi[bg][1], p, ii, a[1], a[3]);
+          } else {  // batch class 2: rows 8-15 of D (batch rows 2-3) are never read, so a1 / a3 hold whatever their
+            asm("" : "=r"(a[1]), "=r"(a[3]));  // registers do: zeros would cost two moves per mma
+          }
+          mma16816<T>(acc[0][bg], a, b[0][0], b[0][1]);
+          mma16816<T>(acc[1][bg], a, b[1][0], b[1][1]);
+        }
+      });
+    } else if constexpr (NB == 2) {
       // the word's x of batch row ra, its 16-byte loads the A fragments as they stand (rows_aquad_of)
       uint32_t va[16];
       rows_xword(xa[0] + 32 * w, on_a[0], va);
@@ -147,7 +196,7 @@ __global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) r
     stage = stage + 1 == S ? 0 : stage + 1;
   }
   qk::wait_async<0>();
-  if constexpr (NB == 2) {
+  if constexpr (NB == 2 && !C::PAIRS) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the odd merged words' sums sit in rows 8-15 of the second accumulator
       acc[h][0][0] += acc[h][1][2];
@@ -208,7 +257,7 @@ template <typename T, int K, int NB, int FLAGS>
 int launch_rows_instance(int split, const MatvecArgs& a, const Launch& on) {
   using C = RowsConfig<K, NB, FLAGS>;
   auto kernel = rows_kernel<K, T, NB, FLAGS>;
-  constexpr int block_bytes = C::DYN_BYTES + (C::TABLE_OR ? 16 : C::TABLE_BYTES) + 1024;
+  constexpr int block_bytes = C::DYN_BYTES + (C::DYNAMIC_TABLE ? 16 : C::TABLE_BYTES) + 1024;
   const int carveout = std::min(100, (100 * C::MIN_BLOCKS * block_bytes + 228 * 1024 - 1) / (228 * 1024));
   if (qk::configure_once<rows_kernel<K, T, NB, FLAGS>>(C::DYN_BYTES, carveout) != cudaSuccess) return kLaunchFailed;
   cudaLaunchAttribute attributes[2] = {};
@@ -239,13 +288,17 @@ int launch_rows_instance(int split, const MatvecArgs& a, const Launch& on) {
 
 template <typename T, int NB, int FLAGS>
 int launch_rows_k(int k, int split, const MatvecArgs& a, const Launch& on) {
-  switch (k) {
-    case 4: return launch_rows_instance<T, 4, NB, FLAGS>(split, a, on);
-    case 5: return launch_rows_instance<T, 5, NB, FLAGS>(split, a, on);
-    case 6: return launch_rows_instance<T, 6, NB, FLAGS>(split, a, on);
-    case 7: return launch_rows_instance<T, 7, NB, FLAGS>(split, a, on);
-    case 8: return launch_rows_instance<T, 8, NB, FLAGS>(split, a, on);
-    default: return kUnsupported;
+  if constexpr ((FLAGS & FLAG_CODE_PAIRS) != 0) {
+    return k == 4 ? launch_rows_instance<T, 4, NB, FLAGS>(split, a, on) : kUnsupported;
+  } else {
+    switch (k) {
+      case 4: return launch_rows_instance<T, 4, NB, FLAGS>(split, a, on);
+      case 5: return launch_rows_instance<T, 5, NB, FLAGS>(split, a, on);
+      case 6: return launch_rows_instance<T, 6, NB, FLAGS>(split, a, on);
+      case 7: return launch_rows_instance<T, 7, NB, FLAGS>(split, a, on);
+      case 8: return launch_rows_instance<T, 8, NB, FLAGS>(split, a, on);
+      default: return kUnsupported;
+    }
   }
 }
 
@@ -267,7 +320,9 @@ int launch_matvec_rows(int dtype, int k, int split, int flags, const MatvecArgs&
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, on.device) != cudaSuccess || major < 9)
       return kUnsupported;  // clusters need sm_90
   }
-  constexpr int occ = 7 | FLAG_ROWS | FLAG_OCC;
+  constexpr int occ = 7 | FLAG_ROWS | FLAG_OCC, pairs = 7 | FLAG_ROWS | FLAG_CODE_PAIRS;
+  if (flags == pairs)
+    return dtype == 0 ? launch_rows_flags<__half, pairs>(k, split, a, on) : launch_rows_flags<__nv_bfloat16, pairs>(k, split, a, on);
   if (flags == occ)
     return dtype == 0 ? launch_rows_flags<__half, occ>(k, split, a, on) : launch_rows_flags<__nv_bfloat16, occ>(k, split, a, on);
   return dtype == 0 ? launch_rows_flags<__half, 7 | FLAG_ROWS>(k, split, a, on)

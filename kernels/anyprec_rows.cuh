@@ -31,6 +31,16 @@
 // registers (x pairs 8q, 8q + 2, 8q + 4, 8q + 6) with no moves: even j use a0 / a2 (columns c..c + 5 with
 // c = 8q) and read D rows 0-7, odd j a1 / a3 (c = 8q + 2) and read D rows 8-15 of a second accumulator; the
 // other half of each is garbage and never read (rows 8-15 would be batch rows 2-3).
+//
+// Code pairs (FLAG_CODE_PAIRS, k = 4): byte i of U_p (bits 8i + p .. 8i + p + 7) holds the codes of slots 8i + p
+// and 8i + p + 4, columns c and c + 16 with c = 8 (p / 2) + 2 (p % 2) + (i % 2) + 4 (i / 2). A table of 256 entries
+// per row, two fp16 / bf16 each (the centroids of the low and high nibble), gives a whole B register per lookup;
+// entry e of rows l and 32 + l sit at bytes 256 e + 4 l and 256 e + 128 + 4 l, so with U_p rotated by p the lookup's
+// byte offset is one PRMT of byte i and the lane's offset, and the table's address goes into the load's uniform
+// operand: one PRMT and one load per two weights, against two shifts, two LOP3, two loads and a PRMT. mma (p, ii)
+// takes bytes 2ii (B k-slots 2t, 2t + 1: columns c, c + 16) and 2ii + 1 (c + 1, c + 17) of U_p; its A fragments
+// pair x's columns the same way, two PRMTs per mma and batch-row source. The table is 64 KB per 64 rows, so 2
+// blocks are resident.
 #pragma once
 
 #include "anyprec_decode.cuh"
@@ -43,23 +53,28 @@ template <int K, int NB, int FLAGS>
 struct RowsConfig {
   static_assert(K >= 4 && K <= 8, "the row-per-lane kernel serves widths 4..8");
   static_assert(NB == 2 || NB == 4 || NB == 8, "batch classes 2, 4 and 8");
+  static constexpr bool PAIRS = (FLAGS & FLAG_CODE_PAIRS) != 0;
+  static_assert(!PAIRS || K == 4, "code-pair tables at 4 bits only (2^(2k) entries per row)");
   static constexpr int NBG = NB == 8 ? 2 : 1;  // mma per row half and merged word
-  static constexpr int SETS = NB == 2 ? 2 : NBG;  // accumulators per row half
+  static constexpr int SETS = NB == 2 && !PAIRS ? 2 : NBG;  // accumulators per row half
   static constexpr int WARPS = 8, THREADS = WARPS * 32, ROWS = 64;
   static constexpr uint32_t MASK = (1u << K) - 1;
-  static constexpr int TABLE_WORDS = (1 << K) * 32;
   static constexpr int LINES = 2 * K;  // 128-byte lines per warp step: (plane, group)
   static constexpr int STEP_BYTES = LINES * 128;
   static constexpr int CHUNKS = LINES * 8;  // 16-byte copies per warp step
-  static constexpr int MIN_BLOCKS = (K >= 7 ? 2 : 3) + ((FLAGS & FLAG_OCC) ? 1 : 0);
+  static constexpr int MIN_BLOCKS = PAIRS ? 2 : (K >= 7 ? 2 : 3) + ((FLAGS & FLAG_OCC) ? 1 : 0);
+  // the table: 2^k words per lane, or with PAIRS 256 per lane and row half
+  static constexpr int TABLE_WORDS = PAIRS ? 256 * 64 : (1 << K) * 32;
+  static constexpr int TABLE_BYTES = TABLE_WORDS * 4;
   // A lookup's address is (code << 7 & mask) | (table | lane * 4), one LOP3, where the table starts at a multiple of
   // its own size in the shared window; otherwise the table's address is added (one more IMAD per weight, 13 % of
   // the loop). The window's base is known only to be 16-byte aligned, so the aligned start is found at run time
   // in TABLE_SLACK spare bytes: worth it up to AP_ROWS_TABLE_OR_MAX_K (8 KB of slack at k = 6), not at 7-8 whose
-  // 16-32 KB would cost ring depth.
-  static constexpr int TABLE_BYTES = TABLE_WORDS * 4;
-  static constexpr bool TABLE_OR = K <= AP_ROWS_TABLE_OR_MAX_K;
+  // 16-32 KB would cost ring depth. PAIRS needs neither: its lookups take byte offsets and the compiler puts the
+  // table's address in the loads' uniform operand.
+  static constexpr bool TABLE_OR = !PAIRS && K <= AP_ROWS_TABLE_OR_MAX_K;
   static constexpr int TABLE_SLACK = TABLE_OR ? TABLE_BYTES - 16 : 0;
+  static constexpr bool DYNAMIC_TABLE = TABLE_OR || PAIRS;  // else static (64 KB would pass the static limit)
   // shared memory per block, all dynamic: the ring (the 8 warps' partial sums reuse it at the end), then the
   // table (the block's sums, read by the cluster's first block, reuse it)
   static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - 16 - TABLE_BYTES - TABLE_SLACK;
@@ -70,16 +85,17 @@ struct RowsConfig {
   static constexpr int RING_BYTES = WARPS * WARP_RING_BYTES;
   static constexpr int RED_BYTES = WARPS * 2 * NBG * 32 * 16;
   static constexpr int RING_AREA = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
-  static constexpr int DYN_BYTES = RING_AREA + (TABLE_OR ? TABLE_SLACK + TABLE_BYTES : 0);  // else a static table
-  static_assert(DYN_BYTES + TABLE_BYTES <= 227 * 1024, "a block's shared memory");
+  static constexpr int DYN_BYTES = RING_AREA + (DYNAMIC_TABLE ? TABLE_SLACK + TABLE_BYTES : 0);  // else a static table
+  static_assert(DYN_BYTES + (DYNAMIC_TABLE ? 16 : TABLE_BYTES) <= 227 * 1024, "a block's shared memory");
   static_assert(TABLE_WORDS >= ROWS * 8, "the partial sums of a cluster reuse the table");
 };
 
-// Byte offset of the table in the dynamic shared memory whose window address is `base` (RowsConfig::TABLE_OR): past
-// the ring area, at the next multiple of the table's size.
+// Byte offset of the table in the dynamic shared memory whose window address is `base` (DYNAMIC_TABLE): past the ring
+// area, where TABLE_OR at the next multiple of the table's size.
 template <int K, int NB, int FLAGS>
 AP_HD uint32_t rows_table_offset(uint32_t base) {
   using C = RowsConfig<K, NB, FLAGS>;
+  if (!C::TABLE_OR) return uint32_t(C::RING_AREA);
   const uint32_t end = base + uint32_t(C::RING_AREA);
   return ((end + uint32_t(C::TABLE_BYTES) - 1) & ~uint32_t(C::TABLE_BYTES - 1)) - base;
 }
@@ -102,6 +118,28 @@ AP_HD void rows_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& 
 #pragma unroll
   for (int e = 0; e < 8; ++e)
     store(int(bitrev(8 * c + e, K)) * 32 + l, uint32_t(centroid_bits<T>(lo[e])) | (uint32_t(centroid_bits<T>(hi[e])) << 16));
+}
+
+// Item i of the code-pair table's fill (PAIRS) of the block starting at row0: lane l = i % 32, row half h = (i / 32) % 2
+// (row row0 + 32h + l), high nibble n1 = i / 64; words e * 64 + 32 h + l, e = 16 n1 + n0 for n0 = 0..15, hold the
+// centroids of codes bitrev(n0) (low half) and bitrev(n1) (high half), zeros past M. Items: 2 * 32 * 16.
+template <typename T, typename Store>
+AP_HD void rows_pair_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& store) {
+  const int l = i & 31, h = (i >> 5) & 1, n1 = i >> 6, r = row0 + 32 * h + l;
+  uint16_t c[16] = {};
+#ifdef __CUDA_ARCH__
+  if (r < M) {
+    const uint4* src = reinterpret_cast<const uint4*>(lut + (size_t(r) << 4));
+    reinterpret_cast<uint4*>(c)[0] = __ldg(src);
+    reinterpret_cast<uint4*>(c)[1] = __ldg(src + 1);
+  }
+#else
+  if (r < M) std::memcpy(c, lut + (size_t(r) << 4), 32);
+#endif
+  const uint32_t high = uint32_t(centroid_bits<T>(c[bitrev(n1, 4)])) << 16;
+#pragma unroll
+  for (int n0 = 0; n0 < 16; ++n0)
+    store((16 * n1 + n0) * 64 + 32 * h + l, uint32_t(centroid_bits<T>(c[bitrev(n0, 4)])) | high);
 }
 
 // Batch rows of x this lane passes in batch group bg (NB = 8: bg = 1 adds 4): ra in a0 / a2, rb in a1 / a3, or -1
@@ -242,6 +280,36 @@ AP_HD void rows_decode_word(const uint32_t (&R)[2][K], uint32_t lane_addr, const
   }
 }
 
+// Decode one word of this lane's two rows from the code-pair table (PAIRS; R[h][p] = U_p of row 32h + lane) and hand
+// mma(p, ii, b) the B fragments of U_p's bytes 2ii (b[h][0]: columns c, c + 16) and 2ii + 1 (b[h][1]: c + 1, c + 17),
+// c = 8 (p / 2) + 2 (p % 2) + 4 ii. lookup(offset) reads the table word at a byte offset; lane_off[h] = 128 h + 4 lane.
+template <typename Lookup, typename Mma>
+AP_HD void rows_decode_pairs(const uint32_t (&R)[2][4], const uint32_t (&lane_off)[2], Lookup&& lookup, Mma&& mma) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+#pragma unroll
+    for (int ii = 0; ii < 2; ++ii) {
+      uint32_t b[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t u = p == 0 ? R[h][p] : rotr(R[h][p], p);  // byte i = the codes of slots 8i + p, 8i + p + 4
+#pragma unroll
+        for (int r = 0; r < 2; ++r)  // offset = byte 2ii + r of u in byte 1, the lane's offset in byte 0
+          b[h][r] = lookup(prmt(u, lane_off[h], 0x7604u | uint32_t((2 * ii + r) << 4)));
+      }
+      mma(p, ii, b);
+    }
+}
+
+// The A fragment pair of mma (p, ii) (PAIRS) from one batch row's x at columns 8 (p / 2) .. + 7 (lo, rows_xquad of
+// q = p / 2) and 16 more (hi, q = p / 2 + 2): columns (c, c + 16) and (c + 1, c + 17), c = 8 (p / 2) + 2 (p % 2) + 4 ii
+AP_HD void rows_pair_afrag(const uint32_t (&lo)[4], const uint32_t (&hi)[4], int p, int ii, uint32_t& a_lo,
+                           uint32_t& a_hi) {
+  const int r = (p & 1) + 2 * ii;
+  a_lo = prmt(lo[r], hi[r], 0x5410);
+  a_hi = prmt(lo[r], hi[r], 0x7632);
+}
+
 // Where the block's partial sum of (row 32h + l, batch b) sits: C-fragment element e of lane src_lane in the
 // accumulators of row half h and batch group b / 4 (batch class 2: after rows 8-15 of the odd merged words'
 // accumulator are added to rows 0-7 of the first).
@@ -254,12 +322,14 @@ AP_HD RowsSource rows_source(int l, int b) {
 // the batch class of a launch (RowsConfig's NB)
 constexpr int rows_batch_class(int B) { return B <= 2 ? 2 : B <= 4 ? 4 : 8; }
 
-// Instances built: widths 4..8, fp16 and bf16, batch classes 2, 4, 8, with or without FLAG_OCC; `tiles`
-// carries the number of blocks (a thread-block cluster, sm_90) that split a 64-row block's words, 1..8.
+// Instances built: widths 4..8, fp16 and bf16, batch classes 2, 4, 8, with or without FLAG_OCC, and at k = 4 with
+// FLAG_CODE_PAIRS; `tiles` carries the number of blocks (a thread-block cluster, sm_90) that split a 64-row block's
+// words, 1..8.
 constexpr int kRowsMaxSplit = 8;
 constexpr bool rows_rule(int k, int split, int flags) {
   return k >= 4 && k <= 8 && split >= 1 && split <= kRowsMaxSplit &&
-         (flags == (7 | FLAG_ROWS) || flags == (7 | FLAG_ROWS | FLAG_OCC));
+         (flags == (7 | FLAG_ROWS) || flags == (7 | FLAG_ROWS | FLAG_OCC) ||
+          (k == 4 && flags == (7 | FLAG_ROWS | FLAG_CODE_PAIRS)));
 }
 
 }  // namespace anyprec

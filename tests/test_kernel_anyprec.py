@@ -336,12 +336,13 @@ static double run_rows(const Problem& Pb, int split) {
   std::vector<uint32_t> table(C::TABLE_WORDS);
   // the kernel's placement of the table in a shared window whose dynamic part starts at an awkward 16-byte
   // multiple: inside the block's shared memory and, where lookups or its address in, aligned to its size
-  // (a static table otherwise: lookups take byte offsets)
+  // (otherwise lookups take byte offsets)
   const uint32_t window = 0x400 + 0x30 * K;
   const uint32_t table_addr = C::TABLE_OR ? window + rows_table_offset<K, NB, FLAGS>(window) : 0u;
   if (C::TABLE_OR && (table_addr - window + C::TABLE_BYTES > uint32_t(C::DYN_BYTES) ||
                       table_addr - window < uint32_t(C::RING_AREA) || table_addr % C::TABLE_BYTES != 0))
     return 2e30;
+  if (C::PAIRS && rows_table_offset<K, NB, FLAGS>(window) + C::TABLE_BYTES > uint32_t(C::DYN_BYTES)) return 2e30;
   auto lookup = [&](uint32_t addr) {
     uint32_t v;
     std::memcpy(&v, reinterpret_cast<const char*>(table.data()) + (addr - table_addr), 4);
@@ -353,8 +354,13 @@ static double run_rows(const Problem& Pb, int split) {
   for (int blk = 0; blk < G / 2; ++blk) {
     const int row0 = 64 * blk;
     std::fill(table.begin(), table.end(), 0xFFFFFFFFu);  // poison: NaN halves wherever the fill missed
-    for (int i = 0; i < (1 << K) / 8 * 32; ++i)
-      rows_table_fill<K, T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+    if constexpr (C::PAIRS) {
+      for (int i = 0; i < 2 * 32 * 16; ++i)
+        rows_pair_table_fill<T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+    } else {
+      for (int i = 0; i < (1 << K) / 8 * 32; ++i)
+        rows_table_fill<K, T>(lut, row0, M, i, [&](int word, uint32_t v) { table[word] = v; });
+    }
     std::vector<double> part(64 * 8, 0.0);
     for (int rank = 0; rank < split; ++rank) {
       std::vector<float> red(size_t(C::WARPS) * 2 * C::NBG * 32 * 4, 0.f);
@@ -369,6 +375,31 @@ static double run_rows(const Problem& Pb, int split) {
               for (int p = 0; p < K; ++p) R[h][p] = rl[((size_t(p) * G + 2 * blk + h) * Wp + w) * 32 + lane];
             const uint32_t lane4 = uint32_t(lane) * 4u;
             const uint32_t lane_addr = C::TABLE_OR ? table_addr | lane4 : table_addr + lane4;
+            if constexpr (C::PAIRS) {  // the kernel's x quads and PRMT-paired A fragments, one accumulator
+              const uint32_t pair_off[2] = {lane4, lane4 + 128u};
+              rows_decode_pairs(R, pair_off, lookup, [&](int pu, int ii, const uint32_t (&b)[2][2]) {
+                Rec rec{};
+                for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
+                for (int bg = 0; bg < C::NBG; ++bg) {
+                  int ra, rb;
+                  rows_xrows(lane, bg, Pb.B, NB, ra, rb);
+                  const T* xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
+                  const T* xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+                  uint32_t lo[4], hi[4];
+                  rows_xquad(xa, ra >= 0, pu >> 1, lo);
+                  rows_xquad(xa, ra >= 0, (pu >> 1) + 2, hi);
+                  rows_pair_afrag(lo, hi, pu, ii, rec.a[bg][0], rec.a[bg][2]);
+                  if (NB >= 4) {
+                    rows_xquad(xb, rb >= 0, pu >> 1, lo);
+                    rows_xquad(xb, rb >= 0, (pu >> 1) + 2, hi);
+                    rows_pair_afrag(lo, hi, pu, ii, rec.a[bg][1], rec.a[bg][3]);
+                  }
+                  rec.set[bg] = bg;
+                }
+                recs[lane].push_back(rec);
+              });
+              continue;
+            }
             rows_decode_word<K, C::TABLE_OR>(R, lane_addr, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
               Rec rec{};
               for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
@@ -421,7 +452,7 @@ static double run_rows(const Problem& Pb, int split) {
                     for (int kk = 0; kk < 16; ++kk) D[h][recs[0][j].set[bg]][m][n] += A[m][kk] * Bm[kk][n];
               }
         }
-        if (NB == 2)  // the kernel's fold: rows 8-15 of the odd merged words' accumulator onto rows 0-7
+        if (NB == 2 && !C::PAIRS)  // the kernel's fold: rows 8-15 of the odd merged words' accumulator onto rows 0-7
           for (int h = 0; h < 2; ++h)
             for (int m = 0; m < 8; ++m)
               for (int n = 0; n < 8; ++n) D[h][0][m][n] += D[h][1][m + 8][n];
@@ -478,8 +509,10 @@ static void width() {
 
 int main() {
   width<4>(); width<5>(); width<6>(); width<7>(); width<8>();
+  constexpr int pairs = 7 | FLAG_ROWS | FLAG_CODE_PAIRS;
+  shapes<4, __half, pairs>(); shapes<4, __nv_bfloat16, pairs>();
   std::printf("checked %d failed %d\n", checked, failed);
-  return failed != 0 || checked < 90;
+  return failed != 0 || checked < 102;
 }
 """
 
@@ -528,7 +561,8 @@ def test_rows_layout_is_the_documented_arrangement():
 
 # flags None: the dispatch table's choice; the FLAG_PAIR and FLAG_ROWS variants exist for k >= 4 only
 VARIANT_FLAGS = [None, ag.ALL_FLAGS, ag.ALL_FLAGS | ag.FLAG_PAIR, ag.ALL_FLAGS | ag.FLAG_PAIR | ag.FLAG_OCC,
-                 ag.ALL_FLAGS | ag.FLAG_ROWS, ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_OCC]
+                 ag.ALL_FLAGS | ag.FLAG_ROWS, ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_OCC,
+                 ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_CODE_PAIRS]
 
 
 @pytest.mark.parametrize("flags", VARIANT_FLAGS)
@@ -600,6 +634,8 @@ def test_dispatch_table_serves_its_candidates(ext, monkeypatch):
             y = ag.matvec(x, planes, qt.luts[bits], bits, cols // 32, out=out, ext=Recording())
             assert _rel_err(y, _reference(qt, x, bits)) < REL_TOL, (bits, batch)
             flags, tiles = ag.CANDIDATES[table[bits][batch] if bits >= 4 else "today"]
+            if not ext.has_matvec(torch.float16, bits, 1, flags):  # a candidate built for other widths only
+                flags, tiles = ag.CANDIDATES["today"]
             if tiles is None:
                 tiles = ag.default_tiles(flags, bits, rows, cols // 32, batch, x.device, ext)
             assert launched == [(bits, flags, tiles)], (bits, batch, launched)
@@ -613,7 +649,8 @@ def test_one_bit_artifact(ext):
     assert _rel_err(y, _reference(qt, x, 1)) < REL_TOL
 
 
-@pytest.mark.parametrize("flags", [ag.ALL_FLAGS | ag.FLAG_ROWS, ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_OCC])
+@pytest.mark.parametrize("flags", [ag.ALL_FLAGS | ag.FLAG_ROWS, ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_OCC,
+                                   ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_CODE_PAIRS])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rows_kernel_matches_reference_at_every_split(ext, dtype, flags):
     """The row-per-lane kernel at every cluster split 1..8 (sm_90; elsewhere split 1 only), batches 1..8, rows
@@ -629,6 +666,8 @@ def test_rows_kernel_matches_reference_at_every_split(ext, dtype, flags):
     g = torch.Generator(device="cuda").manual_seed(3)
     bias = torch.randn(rows, generator=g, device="cuda").to(dtype)
     for bits in range(4, 9):
+        if not ext.has_matvec(dtype, bits, 1, flags):
+            continue  # code pairs: 4 bits only
         for batch in (1, 2, 3, 5, 8):
             x = torch.randn(batch, cols, generator=g, device="cuda").to(dtype)
             ref = _reference(qt, x, bits, bias)
@@ -648,7 +687,7 @@ def test_rows_kernel_matches_reference_at_every_split(ext, dtype, flags):
     assert not ext.has_matvec(dtype, 3, 1, flags) and not ext.has_matvec(dtype, 5, 9, flags)
 
 
-@pytest.mark.parametrize("flags", [0, 3, 4, 5, 6, 7, 15, 31, 39, 55])
+@pytest.mark.parametrize("flags", [0, 3, 4, 5, 6, 7, 15, 31, 39, 55, 103])
 def test_every_built_variant_matches_reference(ext, flags):
     rows, cols = 72, 1024  # 32 words: the natural layout needs a multiple of 4
     qt = _artifact(rows, cols, 3, 8, seed=flags, device="cuda")
@@ -665,7 +704,7 @@ def test_every_built_variant_matches_reference(ext, flags):
             y = ag.matvec(x, planes, qt.luts[bits], bits, cols // 32, flags=flags, tiles=tiles, out=out, ext=ext)
             assert _rel_err(y, _reference(qt, x, bits)) < REL_TOL, (bits, tiles)
             tested += 1
-    assert tested >= 4  # every flag set is built for several widths
+    assert tested >= (2 if flags & ag.FLAG_CODE_PAIRS else 4)  # built for several widths (code pairs: 4 bits, splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

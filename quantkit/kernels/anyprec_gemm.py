@@ -37,6 +37,8 @@ FLAG_PAIR, FLAG_OCC = 8, 16
 # the row-per-lane kernel of widths 4..8 (kernels/anyprec_rows.cuh): planes in the rows layout (rows_layout), its
 # `tiles` = the blocks of a cluster that split a 64-row block's words (rows_split)
 FLAG_ROWS = 32
+# with FLAG_ROWS at 4 bits: tables of code pairs, one lookup per two weights (kernels/anyprec_rows.cuh)
+FLAG_CODE_PAIRS = 64
 ROWS_MAX_SPLIT = 8
 MAX_BATCH = 8  # rows of x per matvec launch
 
@@ -52,6 +54,8 @@ CANDIDATES = {
     "rows": (ALL_FLAGS | FLAG_ROWS, None),
     "rows_occ": (ALL_FLAGS | FLAG_ROWS | FLAG_OCC, None),
     "rows_s1": (ALL_FLAGS | FLAG_ROWS, 1),
+    "rows_pairs": (ALL_FLAGS | FLAG_ROWS | FLAG_CODE_PAIRS, None),
+    "rows_pairs_s1": (ALL_FLAGS | FLAG_ROWS | FLAG_CODE_PAIRS, 1),
 }
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before

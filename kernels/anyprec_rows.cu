@@ -16,7 +16,8 @@
 namespace anyprec {
 
 template <int K, typename T, int NB, int FLAGS>
-__global__ void __launch_bounds__(256, (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS)) rows_kernel(const MatvecArgs args) {
+__global__ void __launch_bounds__((RowsConfig<K, NB, FLAGS>::THREADS), (RowsConfig<K, NB, FLAGS>::MIN_BLOCKS))
+    rows_kernel(const MatvecArgs args) {
   using C = RowsConfig<K, NB, FLAGS>;
   constexpr int S = C::STAGES, NBG = C::NBG;
   // the table: dynamic and aligned where lookups or its address in (TABLE_OR), dynamic past the ring with PAIRS, else

@@ -57,7 +57,9 @@ struct RowsConfig {
   static_assert(!PAIRS || K == 4, "code-pair tables at 4 bits only (2^(2k) entries per row)");
   static constexpr int NBG = NB == 8 ? 2 : 1;  // mma per row half and merged word
   static constexpr int SETS = NB == 2 && !PAIRS ? 2 : NBG;  // accumulators per row half
-  static constexpr int WARPS = 8, THREADS = WARPS * 32, ROWS = 64;
+  // warps per block: PAIRS, whose 64 KB table allows only 2 resident blocks, runs more of them up to batch 4
+  static constexpr int WARPS = PAIRS && NB <= 4 ? AP_ROWS_PAIRS_WARPS : 8;
+  static constexpr int THREADS = WARPS * 32, ROWS = 64;
   static constexpr uint32_t MASK = (1u << K) - 1;
   static constexpr int LINES = 2 * K;  // 128-byte lines per warp step: (plane, group)
   static constexpr int STEP_BYTES = LINES * 128;

@@ -49,3 +49,9 @@
 #ifndef AP_ROWS_TABLE_OR_MAX_K
 #define AP_ROWS_TABLE_OR_MAX_K 6  // the slack it costs: k = 6 8 KB, k = 7 16 KB (a ring stage at 2 blocks per SM)
 #endif
+
+// Warps per block of the row-per-lane kernel with code-pair tables (FLAG_CODE_PAIRS) at batch <= 4: its 64 KB table
+// per block allows 2 resident blocks, so more warps per block keep more loads in flight.
+#ifndef AP_ROWS_PAIRS_WARPS
+#define AP_ROWS_PAIRS_WARPS 16  // chosen by benchmarks/bench_anyprec_variants.py, 8 / 12 / 16, the 7 shapes k4 b1-b8, H200
+#endif

@@ -56,6 +56,7 @@ CANDIDATES = {
     "rows_s1": (ALL_FLAGS | FLAG_ROWS, 1),
     "rows_pairs": (ALL_FLAGS | FLAG_ROWS | FLAG_CODE_PAIRS, None),
     "rows_pairs_s1": (ALL_FLAGS | FLAG_ROWS | FLAG_CODE_PAIRS, 1),
+    "rows_pairs_s2": (ALL_FLAGS | FLAG_ROWS | FLAG_CODE_PAIRS, 2),  # 2 resident blocks: a split shortens the last wave
 }
 
 # Largest number of rows of x served by the matvec kernel (ceil(rows / 8) launches) before

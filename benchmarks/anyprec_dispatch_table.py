@@ -1,7 +1,7 @@
 """Turn bench_anyprec_variants.py JSON files into the dispatch table quantkit/kernels/anyprec_variants.py.
 
   python benchmarks/anyprec_dispatch_table.py RUN.json [RUN.json ...] [--write] [--min-gain 0.02]
-      [--today-widths 4] [--summary OUT.json]
+      [--today-widths 4] [--widths 4] [--summary OUT.json]
 
 Runs are grouped by GPU (the model its device name names); several runs of one GPU are combined per case
 (shape, width, batch) by taking each candidate's slowest time over the runs (a candidate missing or failed in
@@ -12,8 +12,9 @@ Batches 2..7, not measured, take a candidate only where batch 1 and batch 8 of t
 Every measured shape is a shape class of the table, kept even where nothing beats today's kernel (see
 anyprec_variants.shape_class for how a module's shape finds its class).
 
-Without --write the table is printed; with it the module is rewritten (entries of GPUs not given are kept).
---summary writes, per GPU, shape, width and batch, the chosen instance against today's kernel and cuBLAS fp16
+Without --write the table is printed; with it the module is rewritten (entries of GPUs not given are kept; with
+--widths, only those widths of the given GPUs change, and their sources are recorded per width).
+--summary writes, per GPU, shape, width and batch, the served instance against today's kernel and cuBLAS fp16
 (kernels at their slowest time over the runs, cuBLAS at its fastest), with the bytes the kernel reads per µs and
 that rate as a fraction of cuBLAS fp16's (the fp16 weight, x and y over its time); --markdown prints that rate per case
 as RESULTS.md's table.
@@ -57,12 +58,11 @@ def combine(runs):
     return cases
 
 
-def choose(runs, min_gain, today_widths=()):
-    """{(rows, cols): {bits: {batch: name}}} from one GPU's runs, and per case the evidence; widths in
-    `today_widths` keep today's kernel everywhere."""
-    cases = combine(runs)
+def choose(cases, min_gain, today_widths=()):
+    """{(rows, cols): {bits: {batch: name}}} from one GPU's combined cases; widths in `today_widths` keep today's
+    kernel everywhere."""
     order = {name: i for i, name in enumerate(CANDIDATES)}
-    chosen, evidence = {}, {}
+    chosen = {}
     for (rows, cols, bits, batch), case in sorted(cases.items()):
         per_shape = chosen.setdefault((rows, cols), {})
         us = case["us"]
@@ -72,9 +72,6 @@ def choose(runs, min_gain, today_widths=()):
         fine = [n for n in us if n != "today" and n in order and us[n] <= (1.0 - min_gain) * today
                 and bits not in today_widths]
         best = min(fine, key=lambda n: (us[n], order[n]), default="today")
-        evidence[(rows, cols, bits, batch)] = {"name": best, "today_us": today, "us": us[best],
-                                               "cublas_us": case["cublas_us"], "runs": case["runs"],
-                                               "bytes_read": case["bytes_read"], "cublas_bytes": case["cublas_bytes"]}
         if best != "today":
             per_shape.setdefault(bits, {})[batch] = best
     for per_shape in chosen.values():
@@ -83,7 +80,31 @@ def choose(runs, min_gain, today_widths=()):
             if first is not None and first == last:
                 for batch in range(2, 8):
                     per_batch.setdefault(batch, first)
-    return chosen, evidence
+    return chosen
+
+
+def served(cases, chosen):
+    """Per measured case, the instance `chosen` serves (today's where it names none) with its times."""
+    evidence = {}
+    for (rows, cols, bits, batch), case in sorted(cases.items()):
+        us = case["us"]
+        name = chosen.get((rows, cols), {}).get(bits, {}).get(batch, "today")
+        if "today" not in us or name not in us:
+            continue
+        evidence[(rows, cols, bits, batch)] = {"name": name, "today_us": us["today"], "us": us[name],
+                                               "cublas_us": case["cublas_us"], "runs": case["runs"],
+                                               "bytes_read": case["bytes_read"], "cublas_bytes": case["cublas_bytes"]}
+    return evidence
+
+
+def merge_widths(kept, chosen, widths):
+    """`kept`'s entries with those of `widths` replaced by `chosen`'s."""
+    merged = {}
+    for shape in sorted(set(kept) | set(chosen)):
+        per_shape = {bits: dict(v) for bits, v in kept.get(shape, {}).items() if bits not in widths}
+        per_shape.update({bits: dict(v) for bits, v in chosen.get(shape, {}).items() if bits in widths})
+        merged[shape] = dict(sorted(per_shape.items()))
+    return merged
 
 
 def summary(evidence):
@@ -122,12 +143,16 @@ def markdown(card, cases):
     return "\n".join(lines)
 
 
+SOURCES_COMMENT = ("# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs;\n"
+                   "# under 'widths', the runs that decided those widths)\n")
+
+
 def render(choices, sources):
     """The module's text with the given tables."""
     text = MODULE.read_text()
     head, rest = text.split("# SOURCES:", 1)
     tail = rest.split("\n\ndef shape_class", 1)[1]
-    return (head + "# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs)\n"
+    return (head + SOURCES_COMMENT
             + "SOURCES = " + pprint.pformat(sources, width=110, sort_dicts=True) + "\n\n"
             + "CHOICES = " + pprint.pformat(choices, width=110, sort_dicts=True) + "\n\n\ndef shape_class" + tail)
 
@@ -140,11 +165,16 @@ def main():
     ap.add_argument("--today-widths", default="",
                     help="comma list of widths that keep today's kernel at every shape (e.g. where end-to-end decode "
                          "measured the table's choices slower than today's kernel)")
+    ap.add_argument("--widths", default="",
+                    help="comma list of widths these runs decide; the table keeps its other widths' entries for "
+                         "these GPUs (e.g. a new instance measured at one width, where the other widths' choices "
+                         "were checked end to end)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {MODULE.name}")
     ap.add_argument("--summary", help="write the chosen-against-today speedups per case to this JSON file")
     ap.add_argument("--markdown", action="store_true", help="print each case's GB/s as RESULTS.md's table rows")
     args = ap.parse_args()
     today_widths = sorted({int(w) for w in args.today_widths.split(",") if w})
+    widths = sorted({int(w) for w in args.widths.split(",") if w})
 
     by_gpu = {}
     for path in args.runs:
@@ -152,15 +182,27 @@ def main():
         by_gpu.setdefault(gpu_key(run["info"]["device"]), []).append((path, run))
     choices, sources, report = dict(variants.CHOICES), dict(variants.SOURCES), {}
     for key, runs in sorted(by_gpu.items()):
-        chosen, evidence = choose([run["rows"] for _, run in runs], args.min_gain, today_widths)
-        choices[key] = chosen
+        cases = combine([run["rows"] for _, run in runs])
+        chosen = choose(cases, args.min_gain, today_widths)
         infos = [run["info"] for _, run in runs]
-        sources[key] = {"device": infos[0]["device"], "date": max(i.get("date") or "" for i in infos),
-                        "commits": sorted({i.get("commit") or "?" for i in infos}), "runs": len(runs),
-                        **({"today_widths": today_widths} if today_widths else {})}
+        source = {"device": infos[0]["device"], "date": max(i.get("date") or "" for i in infos),
+                  "commits": sorted({i.get("commit") or "?" for i in infos}), "runs": len(runs),
+                  **({"today_widths": today_widths} if today_widths else {})}
+        if widths:  # only these widths change: the rest keep their entries and their sources
+            chosen = merge_widths(choices.get(key, {}), chosen, widths)
+            kept = {k: v for k, v in sources.get(key, {}).items() if k not in ("widths", "today_widths")}
+            still_today = [w for w in sources.get(key, {}).get("today_widths", []) if w not in widths]
+            if still_today:
+                kept["today_widths"] = still_today
+            by_width = dict(sources.get(key, {}).get("widths", {}))
+            by_width.update({w: {**source, "min_gain": args.min_gain} for w in widths})
+            source = {**kept, "widths": dict(sorted(by_width.items()))}
+        choices[key], sources[key] = chosen, source
+        evidence = served(cases, chosen)
         report[key] = {"runs": [Path(p).name for p, _ in runs],
                        "combined": "kernels: slowest time over the runs; cuBLAS: fastest",
-                       "min_gain": args.min_gain, "today_widths": today_widths, "cases": summary(evidence)}
+                       "min_gain": args.min_gain, "today_widths": today_widths, "widths": widths,
+                       "cases": summary(evidence)}
         print(f"{key} ({infos[0]['device']}, {len(runs)} run(s)):")
         for (rows, cols, bits, batch), e in sorted(evidence.items()):
             if e["name"] != "today":

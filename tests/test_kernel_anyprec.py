@@ -952,12 +952,14 @@ def test_dispatch_tool_picks_per_shape_only_candidates_faster_in_every_run():
         (big, 7, 8): {"today": 100, "rows": 75, "rows_s1": 70},
         (small, 7, 1): {"today": 10, "rows": 11, "pair": 9},
     })
-    chosen, evidence = tool.choose([a["rows"], b["rows"]], min_gain=0.02)
+    cases = tool.combine([a["rows"], b["rows"]])
+    chosen = tool.choose(cases, min_gain=0.02)
+    evidence = tool.served(cases, chosen)
     assert chosen[big][6] == {b: "rows" for b in range(1, 9)}  # batch 1 and 8 agree: 2..7 follow
     assert chosen[small][6] == {1: "pair"}
     assert chosen[big][7] == {1: "rows", 8: "rows_s1"}  # they differ: batches 2..7 keep today's kernel
     assert chosen[small][7] == {1: "pair"}
-    kept, _ = tool.choose([a["rows"], b["rows"]], min_gain=0.02, today_widths=(6,))  # 6 bits: today's everywhere
+    kept = tool.choose(cases, min_gain=0.02, today_widths=(6,))  # 6 bits: today's everywhere
     assert all(6 not in per_shape for per_shape in kept.values()) and kept[big][7] == chosen[big][7]
     # the rule's promise: on every measured case the choice is no slower than today's kernel in any run
     for run in (a, b):
@@ -969,6 +971,15 @@ def test_dispatch_tool_picks_per_shape_only_candidates_faster_in_every_run():
     assert first["chosen"] == "rows" and first["today_us"] == 101 and first["chosen_us"] == 71
     # kernels at their slowest time, cuBLAS at its fastest
     assert first["chosen_x_cublas"] == round(190 / 71, 3) and first["today_x_cublas"] == round(190 / 101, 3)
+
+    # --widths: only 7 bits from these runs; 6 bits keeps the table's entries, and the summary reports what is served
+    table = {big: {6: {1: "rows_occ"}, 8: {1: "rows"}}, small: {6: {1: "pair_occ"}}}
+    merged = tool.merge_widths(table, chosen, [7])
+    assert merged[big] == {6: {1: "rows_occ"}, 7: chosen[big][7], 8: {1: "rows"}}
+    assert merged[small] == {6: {1: "pair_occ"}, 7: chosen[small][7]}
+    served = {(r["shape"][0], r["shape"][1], r["bits"], r["batch"]): r["chosen"]
+              for r in tool.summary(tool.served(cases, merged))}
+    assert served[big + (6, 1)] == "rows_occ" and served[big + (6, 8)] == "today" and served[big + (7, 8)] == "rows_s1"
 
     text = tool.render({"H100": chosen}, {"H100": {"device": H100, "date": "d", "commits": ["c"], "runs": 2}})
     namespace = {}
@@ -996,7 +1007,7 @@ def test_dispatch_tool_never_picks_a_candidate_slower_on_its_shape():
                     us = (50 + 100 * torch.rand(len(ag.CANDIDATES), generator=g)).tolist()
                     times[(shape, bits, batch)] = dict(zip(ag.CANDIDATES, us))
         runs.append(_fake_run(times)["rows"])
-    chosen, _ = tool.choose(runs, min_gain=0.02)
+    chosen = tool.choose(tool.combine(runs), min_gain=0.02)
     assert any(per_width for per_width in chosen.values())  # random timings do pick something
     for shape in shapes:
         for bits in (4, 8):

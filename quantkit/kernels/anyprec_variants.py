@@ -16,9 +16,26 @@ of that shape chose the same one. Edit by rerunning that script.
 
 import math
 
-# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs)
-SOURCES = {'H100': {'commits': ['5ddd233'], 'date': '2026-11-27', 'device': 'NVIDIA H100 80GB HBM3', 'runs': 3},
- 'H200': {'commits': ['c281139'], 'date': '2026-11-27', 'device': 'NVIDIA H200', 'runs': 1}}
+# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs;
+# under 'widths', the runs that decided those widths)
+SOURCES = {'H100': {'commits': ['1ed0dc2+changes'],
+          'date': '2026-11-27',
+          'device': 'NVIDIA H100 80GB HBM3',
+          'runs': 2,
+          'widths': {4: {'commits': ['5ddd233'],
+                         'date': '2026-11-27',
+                         'device': 'NVIDIA H100 80GB HBM3',
+                         'min_gain': 0.02,
+                         'runs': 3}}},
+ 'H200': {'commits': ['03dee6a+changes'],
+          'date': '2026-11-27',
+          'device': 'NVIDIA H200',
+          'runs': 1,
+          'widths': {4: {'commits': ['c281139'],
+                         'date': '2026-11-27',
+                         'device': 'NVIDIA H200',
+                         'min_gain': 0.05,
+                         'runs': 1}}}}
 
 CHOICES = {'H100': {(4096, 4096): {4: {1: 'rows_pairs_s2',
                              2: 'rows_pairs_s2',
@@ -54,7 +71,7 @@ CHOICES = {'H100': {(4096, 4096): {4: {1: 'rows_pairs_s2',
                               6: 'rows',
                               7: 'rows',
                               8: 'rows'},
-                          6: {8: 'rows'},
+                          6: {1: 'rows_occ', 8: 'rows'},
                           8: {1: 'rows_occ',
                               2: 'rows_occ',
                               3: 'rows_occ',

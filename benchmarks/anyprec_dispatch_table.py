@@ -16,8 +16,8 @@ Without --write the table is printed; with it the module is rewritten (entries o
 --widths, only those widths of the given GPUs change, and their sources are recorded per width).
 --summary writes, per GPU, shape, width and batch, the served instance against today's kernel and cuBLAS fp16
 (kernels at their slowest time over the runs, cuBLAS at its fastest), with the bytes the kernel reads per µs and
-that rate as a fraction of cuBLAS fp16's (the fp16 weight, x and y over its time); --markdown prints that rate per case
-as RESULTS.md's table.
+that rate as a fraction of cuBLAS fp16's (the fp16 weight, x and y over its time); --markdown prints RESULTS.md's two
+tables: per case the served instance's µs and speedup over cuBLAS fp16, then that rate.
 """
 
 import argparse
@@ -127,6 +127,23 @@ def summary(evidence):
     return out
 
 
+def markdown_us(card, cases):
+    """RESULTS.md rows: per shape and batch, the served instance's µs (its speedup over cuBLAS fp16) at each width,
+    * where it is not today's kernel."""
+    lines = []
+    shapes = sorted({(c["shape"][0], c["shape"][1], c["batch"]) for c in cases},
+                    key=lambda s: (s[0] * s[1], s[0], s[2]))
+    for rows, cols, batch in shapes:
+        here = {c["bits"]: c for c in cases if c["shape"] == [rows, cols] and c["batch"] == batch}
+        first = next(iter(here.values()))
+        cells = [f"{here[k]['chosen_us']:.1f} ({here[k]['chosen_x_cublas']:.2f}×)"
+                 + ("*" if here[k]["chosen"] != "today" else "") if k in here and "chosen_x_cublas" in here[k]
+                 else "–" for k in range(3, 9)]
+        cublas = f"{first.get('cublas_us', 0):.1f}"
+        lines.append(f"| {rows}×{cols} | {card} | {batch} | {cublas} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(card, cases):
     """RESULTS.md rows: per shape and batch, the served instance's GB/s of bytes read (its fraction of cuBLAS
     fp16's streaming rate) at each width."""
@@ -171,7 +188,8 @@ def main():
                          "were checked end to end)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {MODULE.name}")
     ap.add_argument("--summary", help="write the chosen-against-today speedups per case to this JSON file")
-    ap.add_argument("--markdown", action="store_true", help="print each case's GB/s as RESULTS.md's table rows")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print each case's µs and GB/s as RESULTS.md's table rows")
     args = ap.parse_args()
     today_widths = sorted({int(w) for w in args.today_widths.split(",") if w})
     widths = sorted({int(w) for w in args.widths.split(",") if w})
@@ -209,6 +227,8 @@ def main():
                 print(f"  {rows}x{cols} bits {bits} batch {batch}: {e['name']} {e['us']:.1f} us against "
                       f"today's {e['today_us']:.1f} ({e['today_us'] / e['us']:.3f}x)")
     if args.markdown:
+        for key in sorted(report):
+            print(markdown_us(key, report[key]["cases"]))
         for key in sorted(report):
             print(markdown(key, report[key]["cases"]))
     if args.summary:

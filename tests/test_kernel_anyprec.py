@@ -559,6 +559,19 @@ def test_rows_layout_is_the_documented_arrangement():
         ag.rows_layout(planes[:3])
 
 
+def test_rows_copy_holds_the_widest_width_served_so_far():
+    """The row kernel's copy of a module's planes grows with the widths served (at least 4 planes) and never shrinks;
+    its planes are the full copy's: the top four are merged from planes 0..3 only."""
+    qt = _artifact(70, 96, 3, 8, seed=11)
+    kplanes = ag.kernel_layout(qt.planes)
+    full = ag.rows_layout(kplanes)
+    for bits, planes in ((4, 4), (3, 4), (6, 6), (5, 6), (None, 8), (4, 8)):
+        got = ag._rows_planes_of(kplanes, bits)
+        assert got.shape[0] == planes and torch.equal(got, full[:planes]), (bits, planes)
+    first = ag._rows_planes_of(kplanes, 4)
+    assert ag._rows_planes_of(kplanes, 7) is first  # made once, kept with the planes
+
+
 # flags None: the dispatch table's choice; the FLAG_PAIR and FLAG_ROWS variants exist for k >= 4 only
 VARIANT_FLAGS = [None, ag.ALL_FLAGS, ag.ALL_FLAGS | ag.FLAG_PAIR, ag.ALL_FLAGS | ag.FLAG_PAIR | ag.FLAG_OCC,
                  ag.ALL_FLAGS | ag.FLAG_ROWS, ag.ALL_FLAGS | ag.FLAG_ROWS | ag.FLAG_OCC,

@@ -157,14 +157,17 @@ def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
     return out.view(n, groups, 32, words).transpose(2, 3).contiguous()
 
 
-def _rows_planes_of(kplanes: torch.Tensor) -> torch.Tensor:
-    """rows_layout(kplanes), made once per buffer version and kept on the tensor itself (freed with it).
+def _rows_planes_of(kplanes: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """rows_layout of kplanes' top planes, made once per buffer version and kept on the tensor itself (freed with it):
+    as many planes as the widest width served so far (at least 4; all of them when bits is None), so a module
+    decoded at 4 bits keeps 4 bits per weight of it rather than the parent's n. A wider width later remakes it.
     Tensors made under torch.inference_mode track no version: theirs counts as 0."""
     version = 0 if kplanes.is_inference() else kplanes._version
     key = (kplanes.data_ptr(), version, tuple(kplanes.shape))
+    needed = kplanes.shape[0] if bits is None else min(kplanes.shape[0], max(bits, 4))
     cached = getattr(kplanes, "_anyprec_rows_planes", None)
-    if cached is None or cached[0] != key:
-        cached = (key, rows_layout(kplanes))
+    if cached is None or cached[0] != key or cached[1].shape[0] < needed:
+        cached = (key, rows_layout(kplanes[:needed]))
         kplanes._anyprec_rows_planes = cached
     return cached[1]
 
@@ -281,7 +284,7 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, o
             t = auto_tiles if t is None else t
         elif t is None:
             t = default_tiles(f, bits, lut.shape[0], words, batch, x2.device, ext)
-        p = _rows_planes_of(planes) if f & FLAG_ROWS and planes.dim() == 3 else planes
+        p = _rows_planes_of(planes, bits) if f & FLAG_ROWS and planes.dim() == 3 else planes
         ext.matvec(x2[start:start + MAX_BATCH], p, lut, bits, words, bias,
                    out[start:start + MAX_BATCH], f, t, overlapped)
     return out

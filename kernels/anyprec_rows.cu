@@ -323,7 +323,8 @@ int launch_matvec_rows(int dtype, int k, int split, int flags, const MatvecArgs&
   }
   constexpr int occ = 7 | FLAG_ROWS | FLAG_OCC, pairs = 7 | FLAG_ROWS | FLAG_CODE_PAIRS;
   if (flags == pairs)
-    return dtype == 0 ? launch_rows_flags<__half, pairs>(k, split, a, on) : launch_rows_flags<__nv_bfloat16, pairs>(k, split, a, on);
+    return dtype == 0 ? launch_rows_flags<__half, pairs>(k, split, a, on)
+                      : launch_rows_flags<__nv_bfloat16, pairs>(k, split, a, on);
   if (flags == occ)
     return dtype == 0 ? launch_rows_flags<__half, occ>(k, split, a, on) : launch_rows_flags<__nv_bfloat16, occ>(k, split, a, on);
   return dtype == 0 ? launch_rows_flags<__half, 7 | FLAG_ROWS>(k, split, a, on)

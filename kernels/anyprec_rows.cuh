@@ -36,11 +36,11 @@
 // and 8i + p + 4, columns c and c + 16 with c = 8 (p / 2) + 2 (p % 2) + (i % 2) + 4 (i / 2). A table of 256 entries
 // per row, two fp16 / bf16 each (the centroids of the low and high nibble), gives a whole B register per lookup;
 // entry e of rows l and 32 + l sit at bytes 256 e + 4 l and 256 e + 128 + 4 l, so with U_p rotated by p the lookup's
-// byte offset is one PRMT of byte i and the lane's offset, and the table's address goes into the load's uniform
-// operand: one PRMT and one load per two weights, against two shifts, two LOP3, two loads and a PRMT. mma (p, ii)
-// takes bytes 2ii (B k-slots 2t, 2t + 1: columns c, c + 16) and 2ii + 1 (c + 1, c + 17) of U_p; its A fragments
-// pair x's columns the same way, two PRMTs per mma and batch-row source. The table is 64 KB per 64 rows, so 2
-// blocks are resident.
+// byte offset is one PRMT of byte i and the lane's offset, and the table, at a fixed offset past the ring, adds its
+// address as the load's immediate: one PRMT and one load per two weights, against two shifts, two LOP3, two loads
+// and a PRMT. mma (p, ii) takes bytes 2ii (B k-slots 2t, 2t + 1: columns c, c + 16) and 2ii + 1 (c + 1, c + 17) of
+// U_p; its A fragments pair x's columns the same way, two PRMTs per mma and batch-row source. The table is 64 KB per
+// 64 rows, so 2 blocks are resident.
 #pragma once
 
 #include "anyprec_decode.cuh"
@@ -72,8 +72,8 @@ struct RowsConfig {
   // its own size in the shared window; otherwise the table's address is added (one more IMAD per weight, 13 % of
   // the loop). The window's base is known only to be 16-byte aligned, so the aligned start is found at run time
   // in TABLE_SLACK spare bytes: worth it up to AP_ROWS_TABLE_OR_MAX_K (8 KB of slack at k = 6), not at 7-8 whose
-  // 16-32 KB would cost ring depth. PAIRS needs neither: its lookups take byte offsets and the compiler puts the
-  // table's address in the loads' uniform operand.
+  // 16-32 KB would cost ring depth. PAIRS needs neither: its lookups take byte offsets from a table at a fixed offset
+  // past the ring, whose address the compiler puts in the loads' immediate.
   static constexpr bool TABLE_OR = !PAIRS && K <= AP_ROWS_TABLE_OR_MAX_K;
   static constexpr int TABLE_SLACK = TABLE_OR ? TABLE_BYTES - 16 : 0;
   static constexpr bool DYNAMIC_TABLE = TABLE_OR || PAIRS;  // else static (64 KB would pass the static limit)

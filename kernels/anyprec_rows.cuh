@@ -122,9 +122,10 @@ AP_HD void rows_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& 
     store(int(bitrev(8 * c + e, K)) * 32 + l, uint32_t(centroid_bits<T>(lo[e])) | (uint32_t(centroid_bits<T>(hi[e])) << 16));
 }
 
-// Item i of the code-pair table's fill (PAIRS) of the block starting at row0: lane l = i % 32, row half h = (i / 32) % 2
-// (row row0 + 32h + l), high nibble n1 = i / 64; words e * 64 + 32 h + l, e = 16 n1 + n0 for n0 = 0..15, hold the
-// centroids of codes bitrev(n0) (low half) and bitrev(n1) (high half), zeros past M. Items: 2 * 32 * 16.
+// Item i of the code-pair table's fill (PAIRS) of the block starting at row0: lane l = i % 32, row half
+// h = (i / 32) % 2 (row row0 + 32h + l), high nibble n1 = i / 64; words e * 64 + 32 h + l, e = 16 n1 + n0 for
+// n0 = 0..15, hold the centroids of codes bitrev(n0) (low half) and bitrev(n1) (high half), zeros past M.
+// Items: 2 * 32 * 16.
 template <typename T, typename Store>
 AP_HD void rows_pair_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& store) {
   const int l = i & 31, h = (i >> 5) & 1, n1 = i >> 6, r = row0 + 32 * h + l;

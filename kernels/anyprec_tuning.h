@@ -53,5 +53,5 @@
 // Warps per block of the row-per-lane kernel with code-pair tables (FLAG_CODE_PAIRS) at batch <= 4: its 64 KB table
 // per block allows 2 resident blocks, so more warps per block keep more loads in flight.
 #ifndef AP_ROWS_PAIRS_WARPS
-#define AP_ROWS_PAIRS_WARPS 16  // chosen by benchmarks/bench_anyprec_variants.py, 8 / 12 / 16, the 7 shapes k4 b1-b8, H200
+#define AP_ROWS_PAIRS_WARPS 16  // chosen by bench_anyprec_variants.py, 8 / 12 / 16, the 7 shapes k4 b1-b8, H200
 #endif

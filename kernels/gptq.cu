@@ -428,12 +428,53 @@ void dispatch_tpr(const TileArgs<T>& args, int64_t tpr, int device) {
   }
 }
 
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+// `op` names the entry point in every message ("gptq tile", "gptq group params").
+void check_tensor(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
                   const at::Device& device) {
-  QK_CHECK(t.device() == device, "gptq tile: ", name, " is on ", t.device(), ", w is on ", device);
-  QK_CHECK(t.scalar_type() == dtype, "gptq tile: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  QK_CHECK(t.sizes() == shape, "gptq tile: ", name, " must have shape ", shape, ", got ", t.sizes());
-  QK_CHECK(t.is_contiguous(), "gptq tile: ", name, " must be contiguous");
+  QK_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), ", w is on ", device);
+  QK_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  QK_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+  QK_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// The work matrix both entry points take: a 2-D float32 / float64 CUDA tensor narrower than 2^31 columns, and the
+// bit-width of its codes.
+void check_weight(const char* op, const at::Tensor& w, int64_t bits) {
+  QK_CHECK(w.is_cuda() && w.dim() == 2, op, ": w must be a 2-D CUDA tensor, got ", w.sizes(), " on ", w.device());
+  QK_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble, op, ": w must be float32 or float64, got ",
+           w.scalar_type());
+  QK_CHECK(w.size(1) >= 1 && w.size(1) < (int64_t(1) << 31), op, ": bad width d=", w.size(1));
+  QK_CHECK(bits >= 2 && bits <= 8, op, ": bits must be in 2..8, got ", bits);
+}
+
+// The quantizer's settings, the same in both entry points.
+struct QuantizerSettings {
+  int64_t bits;
+  bool sym, clip;
+  double min_scale;
+  int64_t clip_steps, clip_grid;
+  double clip_norm;
+
+  template <typename T>
+  void into(TileArgs<T>& a) const {
+    a.low_bits = int(bits);
+    a.sym = sym;
+    a.clip = clip;
+    a.min_scale = T(min_scale);
+    a.clip_steps = int(clip_steps);
+    a.clip_grid = int(clip_grid);
+    a.clip_norm = T(clip_norm);
+  }
+};
+
+// f(static_cast<T*>(nullptr)) with T = w's element type (float or double)
+template <typename F>
+void with_element_type(const at::Tensor& w, F&& f) {
+  if (w.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    f(static_cast<double*>(nullptr));
+  }
 }
 
 }  // namespace
@@ -448,14 +489,10 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
                int64_t row_lo, int64_t row_hi, int64_t rows_per_unit, int64_t i1, int64_t i2, int64_t g,
                int64_t low_bits, bool sym, bool clip, double min_scale, int64_t clip_steps, int64_t clip_grid,
                double clip_norm, int64_t tpr) {
-  QK_CHECK(w.is_cuda() && w.dim() == 2, "gptq tile: w must be a 2-D CUDA tensor, got ", w.sizes(), " on ",
-              w.device());
-  QK_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
-              "gptq tile: w must be float32 or float64, got ", w.scalar_type());
+  constexpr const char* op = "gptq tile";
+  check_weight(op, w, low_bits);
   const int64_t R = w.size(0), d = w.size(1);
-  QK_CHECK(d >= 1 && d < (int64_t(1) << 31), "gptq tile: bad width d=", d);
   QK_CHECK(g >= 1, "gptq tile: group size must be >= 1, got ", g);
-  QK_CHECK(low_bits >= 2 && low_bits <= 8, "gptq tile: bits must be in 2..8, got ", low_bits);
   QK_CHECK(0 <= i1 && i1 < i2 && i2 <= d && i2 - i1 <= TILE, "gptq tile: columns [", i1, ", ", i2,
               ") must be a non-empty range of at most ", TILE, " inside [0, ", d, ")");
   QK_CHECK(0 <= row_lo && row_lo <= row_hi && row_hi <= R, "gptq tile: rows [", row_lo, ", ", row_hi,
@@ -465,20 +502,20 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
   const auto dtype = w.scalar_type();
   const auto device = w.device();
   const int64_t G = scales.dim() == 2 ? scales.size(1) : -1;
-  check_tensor(w, "w", dtype, {R, d}, device);
-  check_tensor(u, "u", dtype, {d, d}, device);
-  check_tensor(codes, "codes", at::kByte, {R, d}, device);
-  check_tensor(err, "err", dtype, {R, TILE}, device);
-  check_tensor(scales, "scales", dtype, {R, G}, device);
-  check_tensor(zeros, "zeros", dtype, {R, G}, device);
-  check_tensor(hscales, "hscales", dtype, {R}, device);
-  check_tensor(hzeros, "hzeros", dtype, {R}, device);
-  check_tensor(loss, "loss", dtype, {R}, device);
+  check_tensor(op, w, "w", dtype, {R, d}, device);
+  check_tensor(op, u, "u", dtype, {d, d}, device);
+  check_tensor(op, codes, "codes", at::kByte, {R, d}, device);
+  check_tensor(op, err, "err", dtype, {R, TILE}, device);
+  check_tensor(op, scales, "scales", dtype, {R, G}, device);
+  check_tensor(op, zeros, "zeros", dtype, {R, G}, device);
+  check_tensor(op, hscales, "hscales", dtype, {R}, device);
+  check_tensor(op, hzeros, "hzeros", dtype, {R}, device);
+  check_tensor(op, loss, "loss", dtype, {R}, device);
   const int64_t units = R / rows_per_unit;
-  if (clear) check_tensor(*clear, "clear", at::kByte, {units, d}, device);
-  if (high_bits) check_tensor(*high_bits, "high_bits", at::kInt, {units}, device);
+  if (clear) check_tensor(op, *clear, "clear", at::kByte, {units, d}, device);
+  if (high_bits) check_tensor(op, *high_bits, "high_bits", at::kInt, {units}, device);
   if (col_group) {
-    check_tensor(*col_group, "col_group", at::kInt, {d}, device);
+    check_tensor(op, *col_group, "col_group", at::kInt, {d}, device);
     QK_CHECK(!clear && !clip, "gptq tile: static groups take no clear columns and no clip search "
                 "(their params come precomputed)");
   } else {
@@ -491,8 +528,8 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
   QK_CHECK(!(clip && clear), "gptq tile: the clip search is for plain GPTQ, not with clear columns");
   if (row_lo == row_hi) return;
   const c10::cuda::CUDAGuard guard(device);
-
-  auto fill = [&](auto* tag) {
+  const QuantizerSettings quantizer{low_bits, sym, clip, min_scale, clip_steps, clip_grid, clip_norm};
+  with_element_type(w, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     TileArgs<T> a{};
     a.w = w.data_ptr<T>();
@@ -515,20 +552,9 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
     a.i1 = int(i1);
     a.width = int(i2 - i1);
     a.g = int(std::min<int64_t>(g, d));
-    a.low_bits = int(low_bits);
-    a.sym = sym;
-    a.clip = clip;
-    a.min_scale = T(min_scale);
-    a.clip_steps = int(clip_steps);
-    a.clip_grid = int(clip_grid);
-    a.clip_norm = T(clip_norm);
+    quantizer.into(a);
     dispatch_tpr<T>(a, tpr, device.index());
-  };
-  if (dtype == at::kFloat) {
-    fill(static_cast<float*>(nullptr));
-  } else {
-    fill(static_cast<double*>(nullptr));
-  }
+  });
 }
 
 // Scales and zeros [R, G] of every group of g columns of w [R, d] (the last group may be shorter), clip-searched
@@ -536,21 +562,18 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
 void gptq_group_params(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, int64_t g,
                        int64_t bits, bool sym, bool clip, double min_scale, int64_t clip_steps, int64_t clip_grid,
                        double clip_norm, int64_t tpr) {
-  QK_CHECK(w.is_cuda() && w.dim() == 2, "gptq group params: w must be a 2-D CUDA tensor, got ", w.sizes(), " on ",
-              w.device());
-  QK_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble,
-              "gptq group params: w must be float32 or float64, got ", w.scalar_type());
+  constexpr const char* op = "gptq group params";
+  check_weight(op, w, bits);
   const int64_t R = w.size(0), d = w.size(1);
-  QK_CHECK(d >= 1 && d < (int64_t(1) << 31), "gptq group params: bad width d=", d);
   QK_CHECK(g >= 1 && g <= d, "gptq group params: group size must be in 1..", d, ", got ", g);
-  QK_CHECK(bits >= 2 && bits <= 8, "gptq group params: bits must be in 2..8, got ", bits);
   const int64_t G = (d + g - 1) / g;
-  check_tensor(w, "w", w.scalar_type(), {R, d}, w.device());
-  check_tensor(scales, "scales", w.scalar_type(), {R, G}, w.device());
-  check_tensor(zeros, "zeros", w.scalar_type(), {R, G}, w.device());
+  check_tensor(op, scales, "scales", w.scalar_type(), {R, G}, w.device());
+  check_tensor(op, zeros, "zeros", w.scalar_type(), {R, G}, w.device());
+  QK_CHECK(w.is_contiguous(), "gptq group params: w must be contiguous");
   if (R == 0) return;
   const c10::cuda::CUDAGuard guard(w.device());
-  auto fill = [&](auto* tag) {
+  const QuantizerSettings quantizer{bits, sym, clip, min_scale, clip_steps, clip_grid, clip_norm};
+  with_element_type(w, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     TileArgs<T> a{};
     a.w = w.data_ptr<T>();
@@ -559,23 +582,12 @@ void gptq_group_params(const at::Tensor& w, const at::Tensor& scales, const at::
     a.d = int(d);
     a.G = int(G);
     a.g = int(g);
-    a.low_bits = int(bits);
-    a.sym = sym;
-    a.clip = clip;
-    a.min_scale = T(min_scale);
-    a.clip_steps = int(clip_steps);
-    a.clip_grid = int(clip_grid);
-    a.clip_norm = T(clip_norm);
+    quantizer.into(a);
     switch (tpr) {
       case 8: launch_group_params<T, 8>(a, R); break;
       case 16: launch_group_params<T, 16>(a, R); break;
       case 32: launch_group_params<T, 32>(a, R); break;
       default: QK_CHECK(false, "gptq group params: threads per group must be 8, 16 or 32, got ", tpr);
     }
-  };
-  if (w.scalar_type() == at::kFloat) {
-    fill(static_cast<float*>(nullptr));
-  } else {
-    fill(static_cast<double*>(nullptr));
-  }
+  });
 }

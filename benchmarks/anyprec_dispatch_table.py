@@ -127,37 +127,31 @@ def summary(evidence):
     return out
 
 
-def markdown_us(card, cases):
-    """RESULTS.md rows: per shape and batch, the served instance's µs (its speedup over cuBLAS fp16) at each width,
-    * where it is not today's kernel."""
+def _table_rows(card, cases, cublas_cell, cell):
+    """RESULTS.md rows, one per shape and batch: cuBLAS fp16's cell, then cell(case) at each width 3..8."""
     lines = []
     shapes = sorted({(c["shape"][0], c["shape"][1], c["batch"]) for c in cases},
                     key=lambda s: (s[0] * s[1], s[0], s[2]))
     for rows, cols, batch in shapes:
         here = {c["bits"]: c for c in cases if c["shape"] == [rows, cols] and c["batch"] == batch}
-        first = next(iter(here.values()))
-        cells = [f"{here[k]['chosen_us']:.1f} ({here[k]['chosen_x_cublas']:.2f}×)"
-                 + ("*" if here[k]["chosen"] != "today" else "") if k in here and "chosen_x_cublas" in here[k]
-                 else "–" for k in range(3, 9)]
-        cublas = f"{first.get('cublas_us', 0):.1f}"
-        lines.append(f"| {rows}×{cols} | {card} | {batch} | {cublas} | " + " | ".join(cells) + " |")
+        cells = [cell(here[k]) if k in here else "–" for k in range(3, 9)]
+        lines.append(f"| {rows}×{cols} | {card} | {batch} | {cublas_cell(next(iter(here.values())))} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def markdown_us(card, cases):
+    """The served instance's µs (its speedup over cuBLAS fp16) at each width, * where it is not today's kernel."""
+    return _table_rows(card, cases, lambda c: f"{c.get('cublas_us', 0):.1f}",
+                       lambda c: f"{c['chosen_us']:.1f} ({c['chosen_x_cublas']:.2f}×)"
+                       + ("*" if c["chosen"] != "today" else "") if "chosen_x_cublas" in c else "–")
 
 
 def markdown(card, cases):
-    """RESULTS.md rows: per shape and batch, the served instance's GB/s of bytes read (its fraction of cuBLAS
-    fp16's streaming rate) at each width."""
-    lines = []
-    shapes = sorted({(c["shape"][0], c["shape"][1], c["batch"]) for c in cases},
-                    key=lambda s: (s[0] * s[1], s[0], s[2]))
-    for rows, cols, batch in shapes:
-        here = {c["bits"]: c for c in cases if c["shape"] == [rows, cols] and c["batch"] == batch}
-        first = next(iter(here.values()))
-        cells = [f"{here[k]['chosen_gbs']:.0f} ({here[k]['chosen_fraction_of_cublas_rate']:.2f})" if k in here
-                 and "chosen_fraction_of_cublas_rate" in here[k] else "–" for k in range(3, 9)]
-        cublas = f"{first.get('cublas_gbs', 0):.0f}"
-        lines.append(f"| {rows}×{cols} | {card} | {batch} | {cublas} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The served instance's GB/s of bytes read (its fraction of cuBLAS fp16's streaming rate) at each width."""
+    return _table_rows(card, cases, lambda c: f"{c.get('cublas_gbs', 0):.0f}",
+                       lambda c: f"{c['chosen_gbs']:.0f} ({c['chosen_fraction_of_cublas_rate']:.2f})"
+                       if "chosen_fraction_of_cublas_rate" in c else "–")
 
 
 SOURCES_COMMENT = ("# SOURCES: the benchmark runs each GPU's entry came from (device, date, commits of the runs;\n"

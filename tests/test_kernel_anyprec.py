@@ -375,6 +375,12 @@ static double run_rows(const Problem& Pb, int split) {
               for (int p = 0; p < K; ++p) R[h][p] = rl[((size_t(p) * G + 2 * blk + h) * Wp + w) * 32 + lane];
             const uint32_t lane4 = uint32_t(lane) * 4u;
             const uint32_t lane_addr = C::TABLE_OR ? table_addr | lane4 : table_addr + lane4;
+            // this lane's batch rows of group bg (rows_xrows) and their x at word w
+            auto x_of = [&](int bg, int& ra, int& rb, const T*& xa, const T*& xb) {
+              rows_xrows(lane, bg, Pb.B, NB, ra, rb);
+              xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
+              xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+            };
             if constexpr (C::PAIRS) {  // the kernel's x quads and PRMT-paired A fragments, one accumulator
               const uint32_t pair_off[2] = {lane4, lane4 + 128u};
               rows_decode_pairs(R, pair_off, lookup, [&](int pu, int ii, const uint32_t (&b)[2][2]) {
@@ -382,9 +388,8 @@ static double run_rows(const Problem& Pb, int split) {
                 for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
                 for (int bg = 0; bg < C::NBG; ++bg) {
                   int ra, rb;
-                  rows_xrows(lane, bg, Pb.B, NB, ra, rb);
-                  const T* xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
-                  const T* xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+                  const T *xa, *xb;
+                  x_of(bg, ra, rb, xa, xb);
                   uint32_t lo[4], hi[4];
                   rows_xquad(xa, ra >= 0, pu >> 1, lo);
                   rows_xquad(xa, ra >= 0, (pu >> 1) + 2, hi);
@@ -405,9 +410,8 @@ static double run_rows(const Problem& Pb, int split) {
               for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
               for (int bg = 0; bg < C::NBG; ++bg) {
                 int ra, rb;
-                rows_xrows(lane, bg, Pb.B, NB, ra, rb);
-                const T* xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
-                const T* xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+                const T *xa, *xb;
+                x_of(bg, ra, rb, xa, xb);
                 rec.set[bg] = bg;
                 if (NB == 2) {  // the 16-byte x load as it stands; odd merged words in the second accumulator
                   uint32_t va[16];

@@ -98,7 +98,8 @@ def served(cases, chosen):
 
 
 def merge_widths(kept, chosen, widths):
-    """`kept`'s entries with those of `widths` replaced by `chosen`'s."""
+    """`kept`'s entries with those of `widths` replaced by `chosen`'s (a shape the new runs did not measure loses
+    its entries at those widths: today's kernel serves them)."""
     merged = {}
     for shape in sorted(set(kept) | set(chosen)):
         per_shape = {bits: dict(v) for bits, v in kept.get(shape, {}).items() if bits not in widths}

@@ -1,7 +1,7 @@
 // The row-per-lane any-precision matvec kernel (FLAG_ROWS, widths 4..8; design in anyprec_rows.cuh), its
 // instances and launch. Reached through anyprec.cu's launch_matvec, which has checked the arguments.
 //
-// A block covers 64 rows and, with a split of s > 1, every s-th run of 8 words of them: the s blocks of a
+// A block covers 64 rows and, with a split of s > 1, every s-th run of WARPS words of them: the s blocks of a
 // thread-block cluster (sm_90) share the rows, and the first adds the others' partial sums through
 // distributed shared memory, so shapes with few rows still fill the GPU without a second kernel or atomics.
 
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__((RowsConfig<K, NB, FLAGS>::THREADS), (RowsConf
   const char* table_bytes = reinterpret_cast<const char*>(table);
   // TABLE_OR: a window address; PAIRS: a byte offset into the dynamic table; else into the static table
   auto lookup = [&](uint32_t addr) {
-    if constexpr (C::PAIRS) return *reinterpret_cast<const uint32_t*>(ring_smem + C::RING_AREA + addr);
+    if constexpr (C::PAIRS) return *reinterpret_cast<const uint32_t*>(ring_smem + table_off + addr);
     return C::TABLE_OR ? lds32(addr) : *reinterpret_cast<const uint32_t*>(table_bytes + addr);
   };
 
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__((RowsConfig<K, NB, FLAGS>::THREADS), (RowsConf
   }
   __syncthreads();  // every warp is done with the ring and the table
 
-  // the 8 warps' partial sums: [warp][h][bg][lane] float4, over the ring
+  // the warps' partial sums: [warp][h][bg][lane] float4, over the ring
   float4* red = reinterpret_cast<float4*>(ring_smem);
 #pragma unroll
   for (int h = 0; h < 2; ++h)

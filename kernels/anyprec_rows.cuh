@@ -7,8 +7,8 @@
 // conflict-free (2^k x 16 bytes per row, 64 KB per 16-row tile at k = 8): the tables bound the resident
 // blocks and the ring's depth, and are refilled for every 16 rows. Here every lane owns whole rows:
 //
-//   block = 64 rows (two 32-row groups), 8 warps splitting the words of those rows (word w of the block's
-//   column range goes to warp w % 8); lane l owns rows l and 32 + l of the block.
+//   block = 64 rows (two 32-row groups), WARPS warps (8; 16 for code pairs up to batch 4) splitting the words of
+//   those rows (word w of the block's column range goes to warp w % WARPS); lane l owns rows l and 32 + l.
 //   table: word v * 32 + l holds the centroids of code bitrev(v) of row l (low half) and row 32 + l (high
 //   half): one unreplicated table, 2^k x 2 bytes per row, and the 32 lanes of a lookup always read 32
 //   different banks.
@@ -32,15 +32,15 @@
 // c = 8q) and read D rows 0-7, odd j a1 / a3 (c = 8q + 2) and read D rows 8-15 of a second accumulator; the
 // other half of each is garbage and never read (rows 8-15 would be batch rows 2-3).
 //
-// Code pairs (FLAG_CODE_PAIRS, k = 4): byte i of U_p (bits 8i + p .. 8i + p + 7) holds the codes of slots 8i + p
-// and 8i + p + 4, columns c and c + 16 with c = 8 (p / 2) + 2 (p % 2) + (i % 2) + 4 (i / 2). A table of 256 entries
-// per row, two fp16 / bf16 each (the centroids of the low and high nibble), gives a whole B register per lookup;
-// entry e of rows l and 32 + l sit at bytes 256 e + 4 l and 256 e + 128 + 4 l, so with U_p rotated by p the lookup's
-// byte offset is one PRMT of byte i and the lane's offset, and the table, at a fixed offset past the ring, adds its
-// address as the load's immediate: one PRMT and one load per two weights, against two shifts, two LOP3, two loads
-// and a PRMT. mma (p, ii) takes bytes 2ii (B k-slots 2t, 2t + 1: columns c, c + 16) and 2ii + 1 (c + 1, c + 17) of
-// U_p; its A fragments pair x's columns the same way, two PRMTs per mma and batch-row source. The table is 64 KB per
-// 64 rows, so 2 blocks are resident.
+// Code pairs (FLAG_CODE_PAIRS, k = 4): byte i of U_p rotated right by p (bits 8i + p .. 8i + p + 7 of U_p, mod 32)
+// holds the codes of slots 8i + p and 8i + p + 4, columns c and c + 16 with c = 8 (p / 2) + 2 (p % 2) + (i % 2) +
+// 4 (i / 2). A table of 256 entries per row, two fp16 / bf16 each (the centroids of the low and high nibble), gives
+// a whole B register per lookup; entry e of rows l and 32 + l sit at bytes 256 e + 4 l and 256 e + 128 + 4 l, so the
+// lookup's byte offset is one PRMT of byte i of the rotated U_p and the lane's offset, and the table, at a fixed
+// offset past the ring, adds its address as the load's immediate: one PRMT and one load per two weights, against
+// two shifts, two LOP3, two loads and a PRMT. mma (p, ii) takes bytes 2ii (B k-slots 2t, 2t + 1: columns c, c + 16)
+// and 2ii + 1 (c + 1, c + 17); its A fragments pair x's columns the same way, two PRMTs per mma and batch-row
+// source. The table is 64 KB per 64 rows, so 2 blocks are resident.
 #pragma once
 
 #include "anyprec_decode.cuh"
@@ -77,7 +77,7 @@ struct RowsConfig {
   static constexpr bool TABLE_OR = !PAIRS && K <= AP_ROWS_TABLE_OR_MAX_K;
   static constexpr int TABLE_SLACK = TABLE_OR ? TABLE_BYTES - 16 : 0;
   static constexpr bool DYNAMIC_TABLE = TABLE_OR || PAIRS;  // else static (64 KB would pass the static limit)
-  // shared memory per block, all dynamic: the ring (the 8 warps' partial sums reuse it at the end), then the
+  // shared memory per block, all dynamic: the ring (the warps' partial sums reuse it at the end), then the
   // table (the block's sums, read by the cluster's first block, reuse it)
   static constexpr int RING_ROOM = 228 * 1024 / MIN_BLOCKS - 1024 - 16 - TABLE_BYTES - TABLE_SLACK;
   static constexpr int STAGES_FIT = RING_ROOM / (WARPS * STEP_BYTES);
@@ -129,17 +129,21 @@ AP_HD void rows_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& 
 template <typename T, typename Store>
 AP_HD void rows_pair_table_fill(const uint16_t* lut, int row0, int M, int i, Store&& store) {
   const int l = i & 31, h = (i >> 5) & 1, n1 = i >> 6, r = row0 + 32 * h + l;
-  uint16_t c[16] = {};
+  uint16_t c[16] = {}, c_high = 0;  // c_high loaded on its own: indexing c by n1 would put c in local memory
 #ifdef __CUDA_ARCH__
   if (r < M) {
     const uint4* src = reinterpret_cast<const uint4*>(lut + (size_t(r) << 4));
     reinterpret_cast<uint4*>(c)[0] = __ldg(src);
     reinterpret_cast<uint4*>(c)[1] = __ldg(src + 1);
+    c_high = __ldg(lut + (size_t(r) << 4) + bitrev(n1, 4));
   }
 #else
-  if (r < M) std::memcpy(c, lut + (size_t(r) << 4), 32);
+  if (r < M) {
+    std::memcpy(c, lut + (size_t(r) << 4), 32);
+    c_high = lut[(size_t(r) << 4) + bitrev(n1, 4)];
+  }
 #endif
-  const uint32_t high = uint32_t(centroid_bits<T>(c[bitrev(n1, 4)])) << 16;
+  const uint32_t high = uint32_t(centroid_bits<T>(c_high)) << 16;
 #pragma unroll
   for (int n0 = 0; n0 < 16; ++n0)
     store((16 * n1 + n0) * 64 + 32 * h + l, uint32_t(centroid_bits<T>(c[bitrev(n0, 4)])) | high);

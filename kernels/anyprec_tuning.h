@@ -41,7 +41,7 @@
 // Ring steps per warp of the row-per-lane kernel (anyprec_rows.cuh), at most: fewer where the shared memory of
 // its resident blocks leaves less room.
 #ifndef AP_ROWS_STAGES
-#define AP_ROWS_STAGES 4  // not yet measured against other depths
+#define AP_ROWS_STAGES 4  // code pairs at 8 warps: 6 steps no faster (anyprec_pairs_warps_ab_h200.json)
 #endif
 
 // Widths up to which the row-per-lane kernel aligns its table to the table's size so that a lookup's address is one

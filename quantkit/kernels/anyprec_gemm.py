@@ -284,9 +284,14 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, o
             t = auto_tiles if t is None else t
         elif t is None:
             t = default_tiles(f, bits, lut.shape[0], words, batch, x2.device, ext)
-        p = _rows_planes_of(planes, bits) if f & FLAG_ROWS and planes.dim() == 3 else planes
+        p, fresh = planes, False
+        if f & FLAG_ROWS and planes.dim() == 3:
+            kept = getattr(planes, "_anyprec_rows_planes", None)
+            p = _rows_planes_of(planes, bits)
+            # a rows copy made (or remade wider) just now was written by the kernels right before: no overlap
+            fresh = kept is None or kept[1] is not p
         ext.matvec(x2[start:start + MAX_BATCH], p, lut, bits, words, bias,
-                   out[start:start + MAX_BATCH], f, t, overlapped)
+                   out[start:start + MAX_BATCH], f, t, overlapped and not fresh)
     return out
 
 

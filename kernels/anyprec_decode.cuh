@@ -36,6 +36,8 @@
 // mma fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type".
 #pragma once
 
+#include <utility>
+
 #include "anyprec_bits.cuh"
 #include "anyprec_tuning.h"
 
@@ -129,6 +131,21 @@ AP_HD uint4 lut_row(const uint16_t* lut, int row, int M) {
   return r;
 }
 
+// Entry V of a register table (prmt_table): centroid bitrev_K(V) of the row's words w, its low byte into lo and its
+// high byte into hi at byte V of the pair.
+template <int K, typename T, int V>
+AP_HD void prmt_table_entry(const uint32_t (&w)[4], uint32_t (&lo)[2], uint32_t (&hi)[2]) {
+  constexpr int i = int(bitrev(V, K));
+  const uint16_t e = centroid_bits<T>(uint16_t(w[i >> 1] >> (16 * (i & 1))));
+  lo[V >> 2] |= uint32_t(e & 0xFF) << (8 * (V & 3));
+  hi[V >> 2] |= uint32_t(e >> 8) << (8 * (V & 3));
+}
+template <int K, typename T, int... V>
+AP_HD void prmt_table_entries(const uint32_t (&w)[4], uint32_t (&lo)[2], uint32_t (&hi)[2],
+                              std::integer_sequence<int, V...>) {
+  (prmt_table_entry<K, T, V>(w, lo, hi), ...);
+}
+
 // Register table of one row from its centroids (lut_row): entry v = centroid bitrev_K(v), zero past 2^K.
 template <int K, typename T>
 AP_HD PrmtTable prmt_table(const uint4& row) {
@@ -141,13 +158,8 @@ AP_HD PrmtTable prmt_table(const uint4& row) {
     return {prmt(a, b, 0x5410), prmt(c, d, 0x5410), prmt(a, b, 0x7632), prmt(c, d, 0x7632)};
   } else {
     uint32_t lo[2] = {0, 0}, hi[2] = {0, 0};
-#pragma unroll
-    for (int v = 0; v < (1 << K); ++v) {
-      const int i = bitrev(v, K);
-      const uint16_t e = centroid_bits<T>(uint16_t(w[i >> 1] >> (16 * (i & 1))));
-      lo[v >> 2] |= uint32_t(e & 0xFF) << (8 * (v & 3));
-      hi[v >> 2] |= uint32_t(e >> 8) << (8 * (v & 3));
-    }
+    // entries by a pack expansion, so every index into w is a constant: a loop left w in local memory (bf16)
+    prmt_table_entries<K, T>(w, lo, hi, std::make_integer_sequence<int, (1 << K)>{});
     return {lo[0], lo[1], hi[0], hi[1]};
   }
 }

@@ -467,6 +467,21 @@ struct QuantizerSettings {
   }
 };
 
+// The arguments both entry points fill alike: w, the group parameters and their layout, the quantizer
+template <typename T>
+TileArgs<T> common_args(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, int64_t G, int64_t g,
+                        const QuantizerSettings& quantizer) {
+  TileArgs<T> a{};
+  a.w = w.data_ptr<T>();
+  a.scales = scales.data_ptr<T>();
+  a.zeros = zeros.data_ptr<T>();
+  a.d = int(w.size(1));
+  a.G = int(G);
+  a.g = int(std::min<int64_t>(g, w.size(1)));
+  quantizer.into(a);
+  return a;
+}
+
 // f(static_cast<T*>(nullptr)) with T = w's element type (float or double)
 template <typename F>
 void with_element_type(const at::Tensor& w, F&& f) {
@@ -531,13 +546,10 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
   const QuantizerSettings quantizer{low_bits, sym, clip, min_scale, clip_steps, clip_grid, clip_norm};
   with_element_type(w, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    TileArgs<T> a{};
-    a.w = w.data_ptr<T>();
+    TileArgs<T> a = common_args<T>(w, scales, zeros, G, g, quantizer);
     a.u = u.data_ptr<T>();
     a.codes = codes.data_ptr<uint8_t>();
     a.err = err.data_ptr<T>();
-    a.scales = scales.data_ptr<T>();
-    a.zeros = zeros.data_ptr<T>();
     a.hscales = hscales.data_ptr<T>();
     a.hzeros = hzeros.data_ptr<T>();
     a.loss = loss.data_ptr<T>();
@@ -547,12 +559,8 @@ void gptq_tile(const at::Tensor& w, const at::Tensor& u, const at::Tensor& codes
     a.row_lo = row_lo;
     a.row_hi = row_hi;
     a.rows_per_unit = rows_per_unit;
-    a.d = int(d);
-    a.G = int(G);
     a.i1 = int(i1);
     a.width = int(i2 - i1);
-    a.g = int(std::min<int64_t>(g, d));
-    quantizer.into(a);
     dispatch_tpr<T>(a, tpr, device.index());
   });
 }
@@ -575,14 +583,7 @@ void gptq_group_params(const at::Tensor& w, const at::Tensor& scales, const at::
   const QuantizerSettings quantizer{bits, sym, clip, min_scale, clip_steps, clip_grid, clip_norm};
   with_element_type(w, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    TileArgs<T> a{};
-    a.w = w.data_ptr<T>();
-    a.scales = scales.data_ptr<T>();
-    a.zeros = zeros.data_ptr<T>();
-    a.d = int(d);
-    a.G = int(G);
-    a.g = int(g);
-    quantizer.into(a);
+    const TileArgs<T> a = common_args<T>(w, scales, zeros, G, g, quantizer);
     switch (tpr) {
       case 8: launch_group_params<T, 8>(a, R); break;
       case 16: launch_group_params<T, 16>(a, R); break;

@@ -375,21 +375,25 @@ static double run_rows(const Problem& Pb, int split) {
               for (int p = 0; p < K; ++p) R[h][p] = rl[((size_t(p) * G + 2 * blk + h) * Wp + w) * 32 + lane];
             const uint32_t lane4 = uint32_t(lane) * 4u;
             const uint32_t lane_addr = C::TABLE_OR ? table_addr | lane4 : table_addr + lane4;
-            // this lane's batch rows of group bg (rows_xrows) and their x at word w
-            auto x_of = [&](int bg, int& ra, int& rb, const T*& xa, const T*& xb) {
-              rows_xrows(lane, bg, Pb.B, NB, ra, rb);
-              xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
-              xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+            // one mma's record: its B fragments and, per batch group, the A fragments a_of puts in from this lane's
+            // batch rows (rows_xrows) and their x at word w
+            auto record = [&](const uint32_t (&b)[2][2], auto&& a_of) {
+              Rec rec{};
+              for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
+              for (int bg = 0; bg < C::NBG; ++bg) {
+                int ra, rb;
+                rows_xrows(lane, bg, Pb.B, NB, ra, rb);
+                const T* xa = x + size_t(ra < 0 ? 0 : ra) * ldx + 32 * w;
+                const T* xb = x + size_t(rb < 0 ? 0 : rb) * ldx + 32 * w;
+                rec.set[bg] = bg;
+                a_of(rec, bg, ra, rb, xa, xb);
+              }
+              recs[lane].push_back(rec);
             };
             if constexpr (C::PAIRS) {  // the kernel's x quads and PRMT-paired A fragments, one accumulator
               const uint32_t pair_off[2] = {lane4, lane4 + 128u};
               rows_decode_pairs(R, pair_off, lookup, [&](int pu, int ii, const uint32_t (&b)[2][2]) {
-                Rec rec{};
-                for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
-                for (int bg = 0; bg < C::NBG; ++bg) {
-                  int ra, rb;
-                  const T *xa, *xb;
-                  x_of(bg, ra, rb, xa, xb);
+                record(b, [&](Rec& rec, int bg, int ra, int rb, const T* xa, const T* xb) {
                   uint32_t lo[4], hi[4];
                   rows_xquad(xa, ra >= 0, pu >> 1, lo);
                   rows_xquad(xa, ra >= 0, (pu >> 1) + 2, hi);
@@ -401,20 +405,12 @@ static double run_rows(const Problem& Pb, int split) {
                   } else {  // the kernel leaves a1 / a3 undefined: NaNs prove D rows 8-15 are never read
                     rec.a[bg][1] = rec.a[bg][3] = 0x7FC07FC0u;
                   }
-                  rec.set[bg] = bg;
-                }
-                recs[lane].push_back(rec);
+                });
               });
               continue;
             }
             rows_decode_word<K, C::TABLE_OR>(R, lane_addr, p2, lookup, [&](int j, const uint32_t (&b)[2][2]) {
-              Rec rec{};
-              for (int h = 0; h < 2; ++h) { rec.b[h][0] = b[h][0]; rec.b[h][1] = b[h][1]; }
-              for (int bg = 0; bg < C::NBG; ++bg) {
-                int ra, rb;
-                const T *xa, *xb;
-                x_of(bg, ra, rb, xa, xb);
-                rec.set[bg] = bg;
+              record(b, [&](Rec& rec, int bg, int ra, int rb, const T* xa, const T* xb) {
                 if (NB == 2) {  // the 16-byte x load as it stands; odd merged words in the second accumulator
                   uint32_t va[16];
                   rows_xword(xa, ra >= 0, va);
@@ -433,8 +429,7 @@ static double run_rows(const Problem& Pb, int split) {
                   rows_afrag_quad(qa, j, rec.a[bg][0], rec.a[bg][2]);
                   rows_afrag_quad(qb, j, rec.a[bg][1], rec.a[bg][3]);
                 }
-              }
-              recs[lane].push_back(rec);
+              });
             });
           }
           auto lo = [&](uint32_t u) { return double(elem(u & 0xFFFF, half)); };
@@ -571,11 +566,13 @@ def test_rows_copy_holds_the_widest_width_served_so_far():
     qt = _artifact(70, 96, 3, 8, seed=11)
     kplanes = ag.kernel_layout(qt.planes)
     full = ag.rows_layout(kplanes)
-    for bits, planes in ((4, 4), (3, 4), (6, 6), (5, 6), (None, 8), (4, 8)):
-        got = ag._rows_planes_of(kplanes, bits)
-        assert got.shape[0] == planes and torch.equal(got, full[:planes]), (bits, planes)
-    first = ag._rows_planes_of(kplanes, 4)
-    assert ag._rows_planes_of(kplanes, 7) is first  # made once, kept with the planes
+    for bits, planes, made in ((4, 4, True), (3, 4, False), (6, 6, True), (5, 6, False), (None, 8, True),
+                               (4, 8, False)):
+        got, fresh = ag._rows_planes_of(kplanes, bits)
+        assert got.shape[0] == planes and torch.equal(got, full[:planes]) and fresh == made, (bits, planes)
+    kept, _ = ag._rows_planes_of(kplanes, 4)
+    again, fresh = ag._rows_planes_of(kplanes, 7)
+    assert again is kept and not fresh  # made once, kept with the planes
 
 
 # flags None: the dispatch table's choice; the FLAG_PAIR and FLAG_ROWS variants exist for k >= 4 only

@@ -157,19 +157,20 @@ def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
     return out.view(n, groups, 32, words).transpose(2, 3).contiguous()
 
 
-def _rows_planes_of(kplanes: torch.Tensor, bits: int | None = None) -> torch.Tensor:
-    """rows_layout of kplanes' top planes, made once per buffer version and kept on the tensor itself (freed with it):
-    as many planes as the widest width served so far (at least 4; all of them when bits is None), so a module
-    decoded at 4 bits keeps 4 bits per weight of it rather than the parent's n. A wider width later remakes it.
-    Tensors made under torch.inference_mode track no version: theirs counts as 0."""
+def _rows_planes_of(kplanes: torch.Tensor, bits: int | None = None) -> tuple[torch.Tensor, bool]:
+    """(rows_layout of kplanes' top planes, whether it was made by this call). Made once per buffer version and
+    kept on the tensor itself (freed with it), with as many planes as the widest width served so far (at least 4;
+    all of them when bits is None), so a module decoded at 4 bits keeps 4 bits per weight of it rather than the
+    parent's n; a wider width later remakes it. Tensors made under torch.inference_mode track no version: theirs
+    counts as 0."""
     version = 0 if kplanes.is_inference() else kplanes._version
     key = (kplanes.data_ptr(), version, tuple(kplanes.shape))
     needed = kplanes.shape[0] if bits is None else min(kplanes.shape[0], max(bits, 4))
     cached = getattr(kplanes, "_anyprec_rows_planes", None)
-    if cached is None or cached[0] != key or cached[1].shape[0] < needed:
-        cached = (key, rows_layout(kplanes[:needed]))
-        kplanes._anyprec_rows_planes = cached
-    return cached[1]
+    if cached is not None and cached[0] == key and cached[1].shape[0] >= needed:
+        return cached[1], False
+    kplanes._anyprec_rows_planes = (key, rows_layout(kplanes[:needed]))
+    return kplanes._anyprec_rows_planes[1], True
 
 
 def prepared_planes(module) -> torch.Tensor:
@@ -286,10 +287,8 @@ def matvec(x2, planes, lut, bits, words, bias=None, *, flags=None, tiles=None, o
             t = default_tiles(f, bits, lut.shape[0], words, batch, x2.device, ext)
         p, fresh = planes, False
         if f & FLAG_ROWS and planes.dim() == 3:
-            kept = getattr(planes, "_anyprec_rows_planes", None)
-            p = _rows_planes_of(planes, bits)
             # a rows copy made (or remade wider) just now was written by the kernels right before: no overlap
-            fresh = kept is None or kept[1] is not p
+            p, fresh = _rows_planes_of(planes, bits)
         ext.matvec(x2[start:start + MAX_BATCH], p, lut, bits, words, bias,
                    out[start:start + MAX_BATCH], f, t, overlapped and not fresh)
     return out

@@ -157,25 +157,14 @@ def rows_layout(kplanes: torch.Tensor) -> torch.Tensor:
     return out.view(n, groups, 32, words).transpose(2, 3).contiguous()
 
 
-def _rows_key(kplanes: torch.Tensor):
-    return (kplanes.data_ptr(), 0 if kplanes.is_inference() else kplanes._version, tuple(kplanes.shape))
-
-
-def kept_rows_planes(kplanes: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """The rows layout `_rows_planes_of` keeps for kplanes when it serves `bits`, without making one (None)."""
-    cached = getattr(kplanes, "_anyprec_rows_planes", None)
-    if cached is None or cached[0] != _rows_key(kplanes) or cached[1].shape[0] < min(kplanes.shape[0], max(bits, 4)):
-        return None
-    return cached[1]
-
-
 def _rows_planes_of(kplanes: torch.Tensor, bits: int | None = None) -> tuple[torch.Tensor, bool]:
     """(rows_layout of kplanes' top planes, whether it was made by this call). Made once per buffer version and
     kept on the tensor itself (freed with it), with as many planes as the widest width served so far (at least 4;
     all of them when bits is None), so a module decoded at 4 bits keeps 4 bits per weight of it rather than the
     parent's n; a wider width later remakes it. Tensors made under torch.inference_mode track no version: theirs
     counts as 0."""
-    key = _rows_key(kplanes)
+    version = 0 if kplanes.is_inference() else kplanes._version
+    key = (kplanes.data_ptr(), version, tuple(kplanes.shape))
     needed = kplanes.shape[0] if bits is None else min(kplanes.shape[0], max(bits, 4))
     cached = getattr(kplanes, "_anyprec_rows_planes", None)
     if cached is not None and cached[0] == key and cached[1].shape[0] >= needed:

@@ -17,7 +17,6 @@ kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it
 import torch
 
 from quantkit.kernels import overlap
-from quantkit.runtime import l2_prefetch
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
@@ -27,18 +26,10 @@ MAX_WIDTH = 16384  # one program holds a whole row in registers
 def _kernel(triton, tl):
     """The kernel, compiled by Triton on first launch."""
 
-    global prefetch_l2  # a jit function finds the jit functions it calls among its module's globals
-    prefetch_l2 = l2_prefetch.jit_helper()
-
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
-                            res_stride, delta_stride, rows, pf_ptr, pf_bytes, pf_piece, BLOCK: tl.constexpr,
-                            CONSUME: tl.constexpr, HAS_DELTA: tl.constexpr, GDC: tl.constexpr,
-                            PREFETCH: tl.constexpr, LANES: tl.constexpr):
-        if PREFETCH:  # programs past the rows only warm L2 with the next matvec's weight (l2_prefetch.py)
-            if tl.program_id(0) >= rows:
-                prefetch_l2(pf_ptr, pf_bytes, pf_piece, (tl.program_id(0) - rows) * LANES, LANES)
-                return
+                            res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
+                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -81,21 +72,20 @@ def supported(residual, delta, weight, consume=False):
             and residual.stride(-1) == 1)
 
 
-def add_rms_norm(residual, delta, weight, eps, consume=False, prefetch=None, prefetch_bytes=0):
+def add_rms_norm(residual, delta, weight, eps, consume=False):
     """(residual + delta, weight * rmsnorm(residual + delta)) as new contiguous tensors of residual's shape;
     rows may be strided (e.g. views of a stacked output), the last dimension must be contiguous.
     consume: delta is a matvec's fp32 accumulator (QuantLinear.accumulate), added as the matvec's fp16
-    output would be and left zero. prefetch: a weight whose first prefetch_bytes the launch asks L2 for
-    (l2_prefetch.py; ignored where that does not apply)."""
-    return _launch(residual, delta, weight, eps, consume, prefetch, prefetch_bytes)
+    output would be and left zero."""
+    return _launch(residual, delta, weight, eps, consume)
 
 
-def rms_norm(x, weight, eps, prefetch=None, prefetch_bytes=0):
+def rms_norm(x, weight, eps):
     """weight * rmsnorm(x) as a new contiguous tensor of x's shape (the kernel without the add)."""
-    return _launch(x, None, weight, eps, False, prefetch, prefetch_bytes)[1]
+    return _launch(x, None, weight, eps, False)[1]
 
 
-def _launch(residual, delta, weight, eps, consume, prefetch=None, prefetch_bytes=0):
+def _launch(residual, delta, weight, eps, consume):
     width = residual.shape[-1]
     res2 = residual.reshape(-1, width)
     delta2 = res2 if delta is None else delta.reshape(-1, width)  # an unused pointer without a delta
@@ -104,13 +94,9 @@ def _launch(residual, delta, weight, eps, consume, prefetch=None, prefetch_bytes
     rows = res2.shape[0]
     if rows:
         block = 1 << (width - 1).bit_length()
-        warps = 8 if block >= 4096 else 4
-        pf = l2_prefetch.plan(prefetch, prefetch_bytes, 32 * warps)
-        pf_args = l2_prefetch.launch_args(pf, res2)
-        _kernel()[(rows + l2_prefetch.extra_rows(pf, 1),)](
-            res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0), rows, *pf_args,
-            BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None, PREFETCH=pf is not None, LANES=32 * warps,
-            num_warps=warps, **overlap.triton_launch(residual.device))
+        _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
+                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None,
+                           num_warps=8 if block >= 4096 else 4, **overlap.triton_launch(residual.device))
     return hidden, normed
 
 

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import overlap
-from quantkit.runtime import l2_prefetch
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at 256 positions
@@ -72,8 +71,7 @@ def write_kv(keys, values, key_states, value_states, positions):
 def _kernel(triton, tl):
     """The attention kernel, compiled by Triton on first launch."""
 
-    global _head_vector, prefetch_l2  # a jit function finds the jit functions it calls among its module's globals
-    prefetch_l2 = l2_prefetch.jit_helper()
+    global _head_vector  # a jit function finds the jit functions it calls among its module's globals
 
     @triton.jit
     def _head_vector(ptr, d, swap, sign, cos, sin, mask, like_ptr, ROPE: tl.constexpr, CONSUME: tl.constexpr):
@@ -96,16 +94,10 @@ def _kernel(triton, tl):
     @triton.jit
     def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, pos_ptr, part_ptr, count_ptr,
                       kv_count_ptr, out_ptr, q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, kn_sb, kn_sh, vn_sb,
-                      vn_sh, cs_sn, pos_sb, qk_scale, length, heads, pf_ptr, pf_bytes, pf_piece,
+                      vn_sh, cs_sn, pos_sb, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                       SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr,
-                      ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr,
-                      LANES: tl.constexpr):
-        if PREFETCH:  # programs past the B·H heads only warm L2 with the next matvec's weight (l2_prefetch.py)
-            if tl.program_id(0) >= heads:
-                index = (tl.program_id(0) - heads) * SPLITS + tl.program_id(1)
-                prefetch_l2(pf_ptr, pf_bytes, pf_piece, index * LANES, LANES)
-                return
+                      ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -264,7 +256,7 @@ def reference_step(query, keys, values, positions, scale, new_kv, rope=None, con
 
 
 def decode(query, keys, values, positions, scale, head_counters=None, new_kv=None, rope=None, consume=False,
-           chunk=CHUNK, num_warps=NUM_WARPS, prefetch=None, prefetch_bytes=0):
+           chunk=CHUNK, num_warps=NUM_WARPS):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), positions: a
     CUDA integer tensor of one element (every row) or B (one per row), each row's last cache position to
     attend (0-based; later positions are not read) -> [B, 1, H, D] in the cache's dtype.
@@ -274,9 +266,7 @@ def decode(query, keys, values, positions, scale, head_counters=None, new_kv=Non
     the query and new key are not rotated yet, and the call rotates them (the key before it goes into
     the cache). consume: the query and new key and value are views into a matvec's fp32 sums (the stacked
     q/k/v projection's QuantLinear.accumulate), rounded as its fp16 output would be, and zeroed by this
-    call. chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults.
-    prefetch: a weight whose first prefetch_bytes the launch asks L2 for (l2_prefetch.py; ignored where that
-    does not apply)."""
+    call. chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:
@@ -299,16 +289,13 @@ def decode(query, keys, values, positions, scale, head_counters=None, new_kv=Non
     partials = torch.empty(b * h * splits, d + 2, dtype=torch.float32, device=query.device)
     out = torch.empty(b, 1, h, d, dtype=keys.dtype, device=query.device)
     log2e = 1.4426950408889634
-    pf = l2_prefetch.plan(prefetch, prefetch_bytes, 32 * num_warps,
-                          programs=splits * -(-l2_prefetch.PROGRAMS // splits))
-    _kernel()[(b * h + l2_prefetch.extra_rows(pf, splits), splits)](
+    _kernel()[(b * h, splits)](
         query, keys, values, k_new, v_new, cos, sin, positions, partials, head_counters, head_counters[b * h :], out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), cos.stride(0) if rope is not None else 0,
-        0 if positions.numel() == 1 else positions.stride(0), scale * log2e, length, b * h,
-        *l2_prefetch.launch_args(pf, query), H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
+        0 if positions.numel() == 1 else positions.stride(0), scale * log2e, length,
+        H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
         SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None,
-        ROPE=rope is not None, CONSUME=consume, PREFETCH=pf is not None, LANES=32 * num_warps,
-        num_warps=num_warps, **overlap.triton_launch(query.device))
+        ROPE=rope is not None, CONSUME=consume, num_warps=num_warps, **overlap.triton_launch(query.device))
     return out

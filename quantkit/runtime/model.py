@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime import decode_attention, l2_prefetch, ops
+from quantkit.runtime import decode_attention, ops
 from quantkit.runtime.quant_linear import QuantLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -166,23 +166,6 @@ class Concat(nn.Module):
         return torch.cat([ops.project(p, x) for p in self.parts], dim=-1)
 
 
-def _next_weight(projection, hidden, site):
-    """(tensor, bytes): the prefetch arguments of a decode-step kernel at `site` (l2_prefetch.BUDGETS) whose next
-    matvec is `projection` (a decoder projection, or the head's weight) for hidden's rows: the start of what
-    that matvec streams. (None, 0) off CUDA, with the prefetch off, or where no matvec kernel serves it."""
-    if not hidden.is_cuda or not l2_prefetch.enabled():
-        return None, 0
-    if isinstance(projection, Concat):
-        projection = projection.parts[0]
-    if isinstance(projection, nn.Linear):
-        projection = projection.weight
-    if isinstance(projection, torch.Tensor):
-        tensor, total = projection, projection.numel() * projection.element_size()
-    else:
-        tensor, total = ops.streamed(projection, hidden.shape[0], hidden.dtype)
-    return tensor, min(total, l2_prefetch.BUDGETS[site])
-
-
 @dataclass
 class LayerCache:
     keys: torch.Tensor  # [B, Hkv, max_len, D]
@@ -219,14 +202,12 @@ class Block(nn.Module):
             qkv, consume = self._qkv_normed(ops.project(self.wqkv, normed)), False
         else:
             qkv, consume = ops.project_for_consumer(self.wqkv, normed)
-        # each kernel between two matvecs also warms L2 with the start of the next one's weight (l2_prefetch.py)
         attn = ops.attend(qkv, cache.keys, cache.values, positions, *rope, counters, self.cfg.num_heads, self.scale,
-                          consume, *_next_weight(self.wo, hidden, "attention"))
+                          consume)
         out, consume = ops.project_for_consumer(self.wo, attn)
-        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, consume,
-                                          *_next_weight(self.w13, hidden, "norm"))
+        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, consume)
         gate_up, consume = ops.project_for_consumer(self.w13, normed)
-        act = ops.silu_mul_op(gate_up, hidden.dtype, consume, *_next_weight(self.w2, hidden, "silu_mul"))
+        act = ops.silu_mul_op(gate_up, hidden.dtype, consume)
         down, consume = ops.project_for_consumer(self.w2, act)
         return hidden, down, consume
 
@@ -299,11 +280,9 @@ class Decoder(nn.Module):
     def max_len(self):
         return self.caches[0].keys.shape[2] if self.caches else 0
 
-    def _head(self, hidden, delta, consume, warm=False):
-        """The last residual add with the final norm (warm: warming L2 with the head's weight), then the head:
-        logits [rows, vocab]."""
-        _, normed = ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps, consume,
-                                     *(_next_weight(self.lm_head, hidden, "norm") if warm else (None, 0)))
+    def _head(self, hidden, delta, consume):
+        """The last residual add with the final norm, then the head: logits [rows, vocab]."""
+        _, normed = ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps, consume)
         return F.linear(normed, self.lm_head)
 
     @torch.inference_mode()
@@ -328,12 +307,10 @@ class Decoder(nn.Module):
         tensor: one captured step serves every position) -> logits [B, vocab]. No host synchronisation."""
         first = self.layers[0]
         hidden = self.embed(ids)
-        normed = ops.rms_norm(hidden, first.attn_norm.weight, first.attn_norm.eps,
-                              *_next_weight(first.wqkv, hidden, "norm"))
+        normed = ops.rms_norm(hidden, first.attn_norm.weight, first.attn_norm.eps)
         delta, consume = None, False  # the previous layer's MLP output (or its fp32 sums), added in the next norm
         for layer, cache in zip(self.layers, self.caches):
             if delta is not None:
-                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, consume,
-                                                  *_next_weight(layer.wqkv, hidden, "norm"))
+                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, consume)
             hidden, delta, consume = layer.decode(hidden, normed, cache, positions, self.rope, self.counters)
-        return self._head(hidden, delta, consume, warm=True)
+        return self._head(hidden, delta, consume)

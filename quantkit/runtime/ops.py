@@ -35,30 +35,24 @@ MATVEC_MAX_ROWS = 8  # rows of x one LUT or any-precision matvec launch serves (
 # --- Triton kernels ------------------------------------------------------------------------------------
 
 
-# Each takes `prefetch`, a weight whose first `prefetch_bytes` its launch asks L2 for: the next matvec's
-# (runtime/l2_prefetch.py; `warm` below picks it). Only a hint: ignored wherever it does not apply.
-
-
 @torch.library.custom_op("quantkit::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, prefetch: Optional[Tensor] = None, prefetch_bytes: int = 0
-             ) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * rmsnorm(x) over the last dimension, in x's dtype."""
     if add_norm.supported(x, None, weight):
-        return add_norm.rms_norm(x, weight, eps, prefetch, prefetch_bytes)
+        return add_norm.rms_norm(x, weight, eps)
     return add_norm.rms_norm_torch(x, weight, eps).contiguous()
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, prefetch=None, prefetch_bytes=0):
+def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("quantkit::add_rms_norm", mutates_args=("delta",))
-def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, consume: bool,
-                 prefetch: Optional[Tensor] = None, prefetch_bytes: int = 0) -> tuple[Tensor, Tensor]:
+def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, consume: bool) -> tuple[Tensor, Tensor]:
     """(residual + delta, weight * rmsnorm(residual + delta)); consume: delta is fp32 sums, cleared."""
     if add_norm.supported(residual, delta, weight, consume):
-        return add_norm.add_rms_norm(residual, delta, weight, eps, consume, prefetch, prefetch_bytes)
+        return add_norm.add_rms_norm(residual, delta, weight, eps, consume=consume)
     if consume:
         delta = QuantLinear.finish(delta, residual.dtype)
     hidden, normed = add_norm.add_rms_norm_torch(residual, delta, weight, eps)
@@ -66,28 +60,26 @@ def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, co
 
 
 @add_rms_norm.register_fake
-def _(residual, delta, weight, eps, consume, prefetch=None, prefetch_bytes=0):
+def _(residual, delta, weight, eps, consume):
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 @torch.library.custom_op("quantkit::silu_mul", mutates_args=("gate_up",))
-def silu_mul_op(gate_up: Tensor, dtype: torch.dtype, consume: bool, prefetch: Optional[Tensor] = None,
-                prefetch_bytes: int = 0) -> Tensor:
+def silu_mul_op(gate_up: Tensor, dtype: torch.dtype, consume: bool) -> Tensor:
     """SiLU(gate)·up in `dtype` from [..., gate | up]; consume: fp32 sums, cleared."""
     if silu_mul.supported(gate_up, dtype, consume):
-        return silu_mul.silu_mul(gate_up, dtype, consume, prefetch, prefetch_bytes)
+        return silu_mul.silu_mul(gate_up, dtype, consume=consume)
     return silu_mul.silu_mul_torch(gate_up, dtype, consume=consume)
 
 
 @silu_mul_op.register_fake
-def _(gate_up, dtype, consume, prefetch=None, prefetch_bytes=0):
+def _(gate_up, dtype, consume):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=dtype)
 
 
 @torch.library.custom_op("quantkit::decode_attention", mutates_args=("qkv", "keys", "values", "counters"))
 def attend(qkv: Tensor, keys: Tensor, values: Tensor, positions: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
-           counters: Tensor, heads: int, scale: float, consume: bool, prefetch: Optional[Tensor] = None,
-           prefetch_bytes: int = 0) -> Tensor:
+           counters: Tensor, heads: int, scale: float, consume: bool) -> Tensor:
     """One decode step's attention of B rows. qkv [B, (H + 2·Hkv)·D]: the stacked q/k/v projection's output
     (consume: its fp32 sums), keys/values [B, Hkv, L, D] the layer's cache, positions [B] each row's
     position, (cos, sin) rope tables [L', D] or None, counters from decode_attention.counters(B, H).
@@ -100,14 +92,14 @@ def attend(qkv: Tensor, keys: Tensor, values: Tensor, positions: Tensor, cos: Op
     if (decode_attention.supported(q, keys, values, consume) and decode_attention.new_kv_fits((k, v), keys, consume)
             and (rope is None or decode_attention.rope_fits(rope, keys))):
         out = decode_attention.decode(q, keys, values, positions, scale, counters, new_kv=(k, v), rope=rope,
-                                      consume=consume, prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+                                      consume=consume)
     else:
         out = decode_attention.reference_step(q, keys, values, positions, scale, (k, v), rope, consume)
     return out.reshape(b, heads * d)
 
 
 @attend.register_fake
-def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume, prefetch=None, prefetch_bytes=0):
+def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume):
     return keys.new_empty(qkv.shape[0], heads * keys.shape[3])
 
 
@@ -158,12 +150,12 @@ def _(x, planes, lut, bits, bias, overlap):
 # --- which operator serves a projection ----------------------------------------------------------------
 
 
-def _lut_served(module, rows):
-    """The LUT kernels' extension when they serve `module` (a BCQ QuantLinear) for `rows` rows of x on CUDA."""
+def _lut_served(module, x):
+    """The LUT kernels' extension when they serve `module` (a BCQ QuantLinear) for x [n, d] on CUDA."""
     if module.meta["format"] != "bcq" or not module.use_kernels:
         return None
     ops = lutgemm.kernels()
-    if ops is None or not lutgemm.use_matvec(rows, module.out_features, module.in_features,
+    if ops is None or not lutgemm.use_matvec(x.shape[0], module.out_features, module.in_features,
                                              module.meta["group_size"]):
         return None
     return ops
@@ -173,10 +165,9 @@ def _offset(module):
     return module.offset if module.meta["offset"] else None
 
 
-def _anyprec_served(module, dtype):
-    """(kernel-layout planes, table, bits) when the any-precision kernel serves `module` for x in `dtype`, else
-    None."""
-    if module.meta["format"] != "anyprec" or not module.use_kernels or dtype not in (torch.float16, torch.bfloat16):
+def _anyprec_served(module, x):
+    """(kernel-layout planes, table, bits) when the any-precision kernel serves `module` for x, else None."""
+    if module.meta["format"] != "anyprec" or not module.use_kernels or x.dtype not in (torch.float16, torch.bfloat16):
         return None
     bits = module.bits if module.bits is not None else module.meta["parent_bits"]
     lut = getattr(module, f"lut_{bits}", None)
@@ -194,7 +185,7 @@ def project(module, x):
     if isinstance(module, QuantLinear) and x.is_cuda:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] <= MATVEC_MAX_ROWS:
-            ops = _lut_served(module, x2.shape[0])
+            ops = _lut_served(module, x2)
             if ops is not None:
                 offset = _offset(module)
                 workspace = lutgemm.kept_workspace(module, x.device, module.out_features, ops)
@@ -202,7 +193,7 @@ def project(module, x):
                 y = lut_matvec(x2, module.qweight, module.alpha, offset, module.bias, module.meta["group_size"],
                                workspace, overlapped)
                 return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
-            served = _anyprec_served(module, x2.dtype)
+            served = _anyprec_served(module, x2)
             if served is not None:
                 planes, lut, bits = served
                 overlapped = overlap.enabled() and overlap.settled(module, planes, lut)
@@ -219,7 +210,7 @@ def project_sums(module, x):
     if not (isinstance(module, QuantLinear) and x.is_cuda and module.bias is None):
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    ops = _lut_served(module, x2.shape[0]) if x2.shape[0] <= MATVEC_MAX_ROWS else None
+    ops = _lut_served(module, x2) if x2.shape[0] <= MATVEC_MAX_ROWS else None
     if ops is None:
         return None
     workspace = lutgemm.kept_workspace(module, x.device, module.out_features, ops)
@@ -236,30 +227,3 @@ def project_for_consumer(module, x):
     what the consuming operator's `consume` argument says."""
     sums = project_sums(module, x)
     return (sums, True) if sums is not None else (project(module, x), False)
-
-
-
-def streamed(module, rows, dtype):
-    """(tensor, bytes) that the matvec kernel serving `module` for `rows` rows of x in `dtype` streams the most
-    of, read from its start: a BCQ weight's planes, an any-precision weight's served planes in the layout its
-    instance reads; (None, 0) where no matvec kernel serves the module (its own forward runs) or for nn.Linear
-    (runtime.model asks for those: cuBLAS reads the weight)."""
-    if not isinstance(module, QuantLinear) or rows > MATVEC_MAX_ROWS or next(module.buffers()).device.type != "cuda":
-        return None, 0
-    if _lut_served(module, rows) is not None:
-        return module.qweight, module.qweight.numel() * module.qweight.element_size()
-    served = _anyprec_served(module, dtype)
-    if served is None:
-        return None, 0
-    from quantkit.kernels import anyprec_gemm
-
-    planes, lut, bits = served
-    words = -(-module.in_features // 32)
-    flags, _ = anyprec_gemm.choose_variant(bits, lut.shape[0], min(rows, anyprec_gemm.MAX_BATCH), planes.device,
-                                           dtype, build.load("anyprec"), words)
-    if flags & anyprec_gemm.FLAG_ROWS:  # the row copy its first launch makes (none yet: nothing to warm)
-        planes = anyprec_gemm.kept_rows_planes(planes, bits)
-        if planes is None:
-            return None, 0
-    # the planes are stored top plane first: the served width reads the first `bits` of them
-    return planes, planes.numel() * planes.element_size() * min(bits, planes.shape[0]) // planes.shape[0]

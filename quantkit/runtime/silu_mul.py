@@ -12,29 +12,19 @@ before the product).
 import torch
 
 from quantkit.kernels import overlap
-from quantkit.runtime import l2_prefetch
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 BLOCK = 1024  # columns per program: a 7B MLP row (11008) is 11 programs
-NUM_WARPS = 4
 
 
 @lazy_kernel
 def _kernel(triton, tl):
     """The kernel, compiled by Triton on first launch."""
 
-    global prefetch_l2  # a jit function finds the jit functions it calls among its module's globals
-    prefetch_l2 = l2_prefetch.jit_helper()
-
     @triton.jit
-    def silu_mul_kernel(acc_ptr, out_ptr, width, acc_stride, rows, pf_ptr, pf_bytes, pf_piece, BLOCK: tl.constexpr,
-                        CONSUME: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
-        if PREFETCH:  # programs past the rows only warm L2 with the next matvec's weight (l2_prefetch.py)
-            if tl.program_id(0) >= rows:
-                index = (tl.program_id(0) - rows) * tl.num_programs(1) + tl.program_id(1)
-                prefetch_l2(pf_ptr, pf_bytes, pf_piece, index * LANES, LANES)
-                return
+    def silu_mul_kernel(acc_ptr, out_ptr, width, acc_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
+                        GDC: tl.constexpr):
         if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -70,23 +60,18 @@ def supported(gate_up, dtype, consume=True):
             and gate_up.dtype == (torch.float32 if consume else dtype) and dtype in (torch.float16, torch.bfloat16))
 
 
-def silu_mul(gate_up, dtype=None, consume=False, prefetch=None, prefetch_bytes=0):
+def silu_mul(gate_up, dtype=None, consume=False):
     """SiLU(gate)·up in `dtype` [..., width] from gate_up = [..., gate | up] (contiguous). consume: gate_up
     holds a stacked gate/up matvec's fp32 sums (QuantLinear.accumulate), each rounded as the matvec's
-    fp16 output, and is left zero; else it is the output, in `dtype` (default its own). prefetch: a weight whose
-    first prefetch_bytes the launch asks L2 for (l2_prefetch.py; ignored where that does not apply)."""
+    fp16 output, and is left zero; else it is the output, in `dtype` (default its own)."""
     dtype = dtype or gate_up.dtype
     width = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * width)
     out = torch.empty(*gate_up.shape[:-1], width, dtype=dtype, device=gate_up.device)
     if rows.shape[0] and width:
-        blocks = -(-width // BLOCK)
-        pf = l2_prefetch.plan(prefetch, prefetch_bytes, 32 * NUM_WARPS,
-                              programs=blocks * -(-l2_prefetch.PROGRAMS // blocks))
-        grid = (rows.shape[0] + l2_prefetch.extra_rows(pf, blocks), blocks)
-        _kernel()[grid](rows, out, width, rows.stride(0), rows.shape[0], *l2_prefetch.launch_args(pf, rows),
-                        BLOCK=BLOCK, CONSUME=consume, PREFETCH=pf is not None, LANES=32 * NUM_WARPS,
-                        num_warps=NUM_WARPS, **overlap.triton_launch(gate_up.device))
+        grid = (rows.shape[0], -(-width // BLOCK))
+        _kernel()[grid](rows, out, width, rows.stride(0), BLOCK=BLOCK, CONSUME=consume, num_warps=4,
+                        **overlap.triton_launch(gate_up.device))
     return out
 
 

@@ -46,7 +46,7 @@ def _rel_error(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def _check_with_new_kv(case, device="cpu", dtype=torch.float16, counters=None):
+def _check_with_new_kv(case, device="cpu", dtype=torch.float16, counters=None, cache_settled=False):
     """The call that also takes the position's own key and value: the cache holds NaN there (and past
     it) before the call; after it, the new key and value and nothing else has changed. Returns
     (relative error, problems found)."""
@@ -57,7 +57,8 @@ def _check_with_new_kv(case, device="cpu", dtype=torch.float16, counters=None):
     g = torch.Generator().manual_seed(last + 7)
     new_k, new_v = (torch.randn(batch, kv_heads, 1, dim, generator=g).to(device, dtype) for _ in range(2))
     before_k, before_v = keys.clone(), values.clone()
-    got = da.decode(query, keys, values, positions, dim**-0.5, counters, new_kv=(new_k, new_v))
+    got = da.decode(query, keys, values, positions, dim**-0.5, counters, new_kv=(new_k, new_v),
+                    cache_settled=cache_settled)
     want_k, want_v = before_k.clone(), before_v.clone()
     for b, p in enumerate(positions.tolist()):
         want_k[b, :, p], want_v[b, :, p] = new_k[b, :, 0], new_v[b, :, 0]
@@ -86,14 +87,15 @@ def _sums_case(batch, heads, kv_heads, length, dim, last, dtype=torch.float16, d
     return sums, q, k, v, keys, values, positions, (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
 
 
-def _check_rope_and_sums(case, device="cpu", dtype=torch.float16, counters=None):
+def _check_rope_and_sums(case, device="cpu", dtype=torch.float16, counters=None, cache_settled=False):
     """decode with rope and consume against decode_torch: (relative error, problems found)."""
     sums, q, k, v, keys, values, positions, rope = _sums_case(*case, dtype=dtype, device=device)
     want_sums, want_keys, want_values = sums.clone(), keys.clone(), values.clone()
     wq, wk, wv = (t.view(case[0], 1, -1, case[4]).transpose(1, 2)
                   for t in want_sums.split([case[1] * case[4], case[2] * case[4], case[2] * case[4]], dim=-1))
     want = decode_torch(wq, want_keys, want_values, positions, case[4] ** -0.5, (wk, wv), rope, consume=True)
-    got = da.decode(q, keys, values, positions, case[4] ** -0.5, counters, new_kv=(k, v), rope=rope, consume=True)
+    got = da.decode(q, keys, values, positions, case[4] ** -0.5, counters, new_kv=(k, v), rope=rope, consume=True,
+                    cache_settled=cache_settled)
     problems = []
     if sums.any():
         problems.append("sums not cleared")
@@ -180,20 +182,23 @@ def test_interpreted_kernel_matches_reference(run_interpreted):
 
 
 @pytest.mark.requires("cuda", "triton")
+@pytest.mark.parametrize("settled", [False, True], ids=["wait-first", "cache-before-wait"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES + [(1, 32, 32, 1152, 128, 700), (4, 8, 8, 96, 256, 95)],
                          ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c) if isinstance(c, tuple) else str(c))
-def test_cuda_kernel_matches_reference(case, dtype):
+def test_cuda_kernel_matches_reference(case, dtype, settled):
+    """settled: the cache, positions and rope tables are read before the wait for the previous kernel (with
+    overlap), as in the decoder's step; the clones and copies before each call here launch without overlap."""
     query, keys, values, positions = _case(*case, dtype=dtype, device="cuda")
     counters = da.counters(case[0], case[1], "cuda")
     for _ in range(3):  # the same counters again: each call leaves them zero
-        got = da.decode(query, keys, values, positions, case[4] ** -0.5, counters)
+        got = da.decode(query, keys, values, positions, case[4] ** -0.5, counters, cache_settled=settled)
         assert torch.isfinite(got).all()
         assert _rel_error(got, attend_rows(query, keys, values, positions, case[4] ** -0.5)) < 2e-3
-    error, problems = _check_with_new_kv(case, "cuda", dtype, counters)
+    error, problems = _check_with_new_kv(case, "cuda", dtype, counters, settled)
     assert not problems and error < 2e-3
     for _ in range(50):  # the sums are cleared after every program read them: a race shows in a loop
-        error, problems = _check_rope_and_sums(case, "cuda", dtype, counters)
+        error, problems = _check_rope_and_sums(case, "cuda", dtype, counters, settled)
         assert not problems and error < 2e-3
     assert not counters.any()
 

@@ -20,6 +20,9 @@ from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
+# with overlap, the norm's weight (which no kernel writes) is loaded before the wait for the previous kernel, so
+# its read hides under that kernel's tail; False: after it (A/B: benchmarks/bench_decode_switch.py)
+READ_WEIGHT_BEFORE_WAIT = True
 
 
 @lazy_kernel
@@ -29,13 +32,17 @@ def _kernel(triton, tl):
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
                             res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
-                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
+        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
+            tl.extra.cuda.gdc_launch_dependents()
+            if EARLY:  # the weight first: no kernel writes it
+                weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+            tl.extra.cuda.gdc_wait()
+        if not (GDC and EARLY):
+            weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
         hidden = res
         if HAS_DELTA:
@@ -47,7 +54,6 @@ def _kernel(triton, tl):
         h = hidden.to(tl.float32)
         scale = tl.rsqrt(tl.sum(h * h, axis=0) / width + eps)
         normed = (h * scale).to(res.dtype).to(tl.float32)
-        weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(normed_ptr + row * width + cols, (weight * normed).to(res.dtype), mask=inside)
         if CONSUME:  # after a barrier, which the stores above (they need every load's value) precede
             tl.debug_barrier()  # (stored right after its load, a zero overtook the load: silu_mul.py)
@@ -95,7 +101,7 @@ def _launch(residual, delta, weight, eps, consume):
     if rows:
         block = 1 << (width - 1).bit_length()
         _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
-                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None,
+                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None, EARLY=READ_WEIGHT_BEFORE_WAIT,
                            num_warps=8 if block >= 4096 else 4, **overlap.triton_launch(residual.device))
     return hidden, normed
 

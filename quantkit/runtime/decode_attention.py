@@ -33,6 +33,10 @@ MAX_HEAD_DIM = 256
 # cached positions) the reference serves the step instead. Each cache length compiles its own kernel
 # (SPLITS is a compile-time constant), once per process.
 MAX_SPLITS = 128
+# with overlap, a call whose cache no running kernel writes (`cache_settled`) loads its chunk of cached keys and
+# values, its row's position and rope angles before it waits for the previous kernel, so those reads hide under
+# that kernel's tail; False: every read after the wait (for A/B measurements: benchmarks/bench_decode_switch.py)
+READ_CACHE_BEFORE_WAIT = True
 
 
 def row_positions(positions, batch):
@@ -97,10 +101,11 @@ def _kernel(triton, tl):
                       vn_sh, cs_sn, pos_sb, qk_scale, length,
                       H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                       SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_NEW: tl.constexpr,
-                      ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr):
+                      ROPE: tl.constexpr, CONSUME: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr):
         if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+            if not EARLY:  # EARLY: only after the reads of what no running kernel writes (below)
+                tl.extra.cuda.gdc_wait()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -121,6 +126,8 @@ def _kernel(triton, tl):
         if ROPE:
             cos = tl.load(cos_ptr + last * cs_sn + d).to(tl.float32)  # the tables' row of the position
             sin = tl.load(sin_ptr + last * cs_sn + d).to(tl.float32)
+        if GDC and EARLY:  # the query and the new key and value come from the kernel before
+            tl.extra.cuda.gdc_wait()
         everywhere = d < D
         q = _head_vector(q_ptr + b * q_sb + h * q_sh, d, swap, sign, cos, sin, everywhere, k_ptr, ROPE, CONSUME)
         # qk_scale carries log2(e): the softmax is in base 2
@@ -256,7 +263,7 @@ def reference_step(query, keys, values, positions, scale, new_kv, rope=None, con
 
 
 def decode(query, keys, values, positions, scale, head_counters=None, new_kv=None, rope=None, consume=False,
-           chunk=CHUNK, num_warps=NUM_WARPS):
+           cache_settled=False, chunk=CHUNK, num_warps=NUM_WARPS):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), positions: a
     CUDA integer tensor of one element (every row) or B (one per row), each row's last cache position to
     attend (0-based; later positions are not read) -> [B, 1, H, D] in the cache's dtype.
@@ -266,7 +273,11 @@ def decode(query, keys, values, positions, scale, head_counters=None, new_kv=Non
     the query and new key are not rotated yet, and the call rotates them (the key before it goes into
     the cache). consume: the query and new key and value are views into a matvec's fp32 sums (the stacked
     q/k/v projection's QuantLinear.accumulate), rounded as its fp16 output would be, and zeroed by this
-    call. chunk (a power of 2) and num_warps: the work split, for measuring others than the defaults."""
+    call. cache_settled: no kernel that may still be running when this one is launched writes the cache, the
+    positions or the rope tables (in a decode step each layer's cache is written only by its own attention,
+    and steps are separated by kernels launched without overlap), so with overlap the kernel reads them
+    before waiting for the previous kernel (READ_CACHE_BEFORE_WAIT). chunk (a power of 2) and num_warps:
+    the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:
@@ -297,5 +308,6 @@ def decode(query, keys, values, positions, scale, head_counters=None, new_kv=Non
         0 if positions.numel() == 1 else positions.stride(0), scale * log2e, length,
         H=h, GROUP=h // kv_heads, D=d, CHUNK=chunk, SPLITS=splits,
         SPLITS_POW2=max(2, 1 << (splits - 1).bit_length()), HAS_NEW=new_kv is not None,
-        ROPE=rope is not None, CONSUME=consume, num_warps=num_warps, **overlap.triton_launch(query.device))
+        ROPE=rope is not None, CONSUME=consume, EARLY=cache_settled and READ_CACHE_BEFORE_WAIT, num_warps=num_warps,
+        **overlap.triton_launch(query.device))
     return out

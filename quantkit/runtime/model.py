@@ -202,8 +202,10 @@ class Block(nn.Module):
             qkv, consume = self._qkv_normed(ops.project(self.wqkv, normed)), False
         else:
             qkv, consume = ops.project_for_consumer(self.wqkv, normed)
+        # cache_settled: this layer's cache is written only by this call, and a step's last kernels (the head's
+        # matmul, the pick) launch without overlap, so nothing that may still run writes it
         attn = ops.attend(qkv, cache.keys, cache.values, positions, *rope, counters, self.cfg.num_heads, self.scale,
-                          consume)
+                          consume, True)
         out, consume = ops.project_for_consumer(self.wo, attn)
         hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, consume)
         gate_up, consume = ops.project_for_consumer(self.w13, normed)

@@ -79,10 +79,11 @@ def _(gate_up, dtype, consume):
 
 @torch.library.custom_op("quantkit::decode_attention", mutates_args=("qkv", "keys", "values", "counters"))
 def attend(qkv: Tensor, keys: Tensor, values: Tensor, positions: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
-           counters: Tensor, heads: int, scale: float, consume: bool) -> Tensor:
+           counters: Tensor, heads: int, scale: float, consume: bool, cache_settled: bool = False) -> Tensor:
     """One decode step's attention of B rows. qkv [B, (H + 2·Hkv)·D]: the stacked q/k/v projection's output
     (consume: its fp32 sums), keys/values [B, Hkv, L, D] the layer's cache, positions [B] each row's
     position, (cos, sin) rope tables [L', D] or None, counters from decode_attention.counters(B, H).
+    cache_settled: no kernel still running may write the cache, positions or tables (decode_attention.decode).
     Writes each row's key and value at its position -> [B, H·D] in the cache's dtype."""
     b, (kv_heads, d) = qkv.shape[0], (keys.shape[1], keys.shape[3])
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
@@ -92,14 +93,14 @@ def attend(qkv: Tensor, keys: Tensor, values: Tensor, positions: Tensor, cos: Op
     if (decode_attention.supported(q, keys, values, consume) and decode_attention.new_kv_fits((k, v), keys, consume)
             and (rope is None or decode_attention.rope_fits(rope, keys))):
         out = decode_attention.decode(q, keys, values, positions, scale, counters, new_kv=(k, v), rope=rope,
-                                      consume=consume)
+                                      consume=consume, cache_settled=cache_settled)
     else:
         out = decode_attention.reference_step(q, keys, values, positions, scale, (k, v), rope, consume)
     return out.reshape(b, heads * d)
 
 
 @attend.register_fake
-def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume):
+def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume, cache_settled=False):
     return keys.new_empty(qkv.shape[0], heads * keys.shape[3])
 
 

@@ -31,7 +31,9 @@ from quantkit.runtime.model import DecoderConfig  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--switch", required=True, help="MODULE:NAME of a module-level setting")
-    ap.add_argument("--values", required=True, help="comma-separated Python literals; the first is the baseline")
+    ap.add_argument("--values", required=True,
+                    help="two or more comma-separated Python literals, e.g. True,False or 64,256; the first is the "
+                         "baseline")
     ap.add_argument("--formats", default="fp16,bcq-q3-g128,bcq-q4-g128,anyprec-3",
                     help=f"comma list from {','.join(FORMATS)} [%(default)s]")
     ap.add_argument("--batch", type=int, default=1)
@@ -47,7 +49,9 @@ def main():
     module = importlib.import_module(module_name)
     if not attr or not hasattr(module, attr):
         raise SystemExit(f"{args.switch}: no such module-level name")
-    values = [ast.literal_eval(v) for v in args.values.split(",")]
+    values = ast.literal_eval(args.values)
+    if not isinstance(values, tuple) or len(values) < 2:
+        raise SystemExit("--values: two or more comma-separated Python literals")
     formats = args.formats.split(",")
     if any(f not in FORMATS for f in formats):
         raise SystemExit("--formats names from " + ",".join(FORMATS))

@@ -217,24 +217,3 @@ def test_cuda_kernel_reads_its_position_in_a_graph():
         positions.copy_(torch.tensor(rows))
         graph.replay()
         assert _rel_error(out, attend_rows(query, keys, values, positions, 0.1)) < 2e-3
-
-
-@pytest.mark.requires("cuda", "triton")
-@pytest.mark.parametrize("chunk", [128, 256, 512])
-@pytest.mark.parametrize("case", [(1, 32, 32, 256, 128, 200), (2, 8, 2, 256, 128, 255), (3, 4, 4, 700, 64, 650)],
-                         ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c))
-def test_cuda_kernel_matches_reference_at_other_chunks(case, chunk, monkeypatch):
-    """Larger chunks (CHUNK, with warps_for's warps): the whole cache in one program per head (no merge, the
-    program clears the consumed sums itself) and several, for every form of the call."""
-    monkeypatch.setattr(da, "CHUNK", chunk)
-    counters = da.counters(case[0], case[1], "cuda")
-    query, keys, values, positions = _case(*case, device="cuda")
-    got = da.decode(query, keys, values, positions, case[4] ** -0.5, counters)
-    assert _rel_error(got, attend_rows(query, keys, values, positions, case[4] ** -0.5)) < 2e-3
-    for settled in (False, True):
-        error, problems = _check_with_new_kv(case, "cuda", torch.float16, counters, settled)
-        assert not problems and error < 2e-3
-        for _ in range(20):
-            error, problems = _check_rope_and_sums(case, "cuda", torch.float16, counters, settled)
-            assert not problems and error < 2e-3
-    assert not counters.any()

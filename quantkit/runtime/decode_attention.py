@@ -28,11 +28,6 @@ CHUNK = 64  # cache positions per program: 4 chunks x 32 heads = 128 programs at
 # warps per program: measured against 4 and 8 (benchmarks/sweep_decode_attention.py), as fast or faster
 # from 256 to 4096 cached positions
 NUM_WARPS = 2
-
-
-def warps_for(chunk):
-    """Warps per program for `chunk` positions: NUM_WARPS at CHUNK, as many positions per warp at other chunks."""
-    return max(1, NUM_WARPS * chunk // CHUNK)
 MAX_HEAD_DIM = 256
 # the merging program holds every chunk's partial result in registers: beyond this many chunks (8192
 # cached positions) the reference serves the step instead. Each cache length compiles its own kernel
@@ -80,7 +75,7 @@ def write_kv(keys, values, key_states, value_states, positions):
 def _kernel(triton, tl):
     """The attention kernel, compiled by Triton on first launch."""
 
-    global _head_vector, _clear_consumed  # a jit function finds the jit functions it calls among its module's globals
+    global _head_vector  # a jit function finds the jit functions it calls among its module's globals
 
     @triton.jit
     def _head_vector(ptr, d, swap, sign, cos, sin, mask, like_ptr, ROPE: tl.constexpr, CONSUME: tl.constexpr):
@@ -99,21 +94,6 @@ def _kernel(triton, tl):
             partner = partner.to(dtype).to(tl.float32)
             x = (x.to(tl.float32) * cos + sign * partner * sin).to(dtype)
         return x
-
-    @triton.jit
-    def _clear_consumed(q_ptr, kn_ptr, vn_ptr, kv_count_ptr, d, GROUP: tl.constexpr):
-        """Zero a head's query sums, and, at the last head of its KV group to finish (a second counter), the
-        group's key and value sums: the key and value were read by one program of each head of the group."""
-        zero = tl.zeros(d.shape, tl.float32)
-        tl.store(q_ptr + d, zero)
-        group_done = GROUP - 1
-        if GROUP > 1:
-            group_done = tl.atomic_add(kv_count_ptr, 1, sem="acq_rel", scope="gpu")
-        if group_done == GROUP - 1:
-            tl.store(kn_ptr + d, zero)
-            tl.store(vn_ptr + d, zero)
-            if GROUP > 1:
-                tl.store(kv_count_ptr, 0)
 
     @triton.jit
     def attend_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, pos_ptr, part_ptr, count_ptr,
@@ -176,39 +156,41 @@ def _kernel(triton, tl):
             if holds & (h % GROUP == 0):
                 tl.store(k_ptr + b * k_sb + kv_head * k_sh + last * k_sn + d, k_new)
                 tl.store(v_ptr + b * v_sb + kv_head * v_sh + last * v_sn + d, v_new)
-        if SPLITS == 1:  # the whole cache in this program: its result is the head's, no partials to merge
-            tl.store(out_ptr + bh * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+        # this chunk's partial result: [acc (D), max, sum] at its slot
+        row = part_ptr + (bh * SPLITS + split) * (D + 2)
+        tl.store(row + d, acc)
+        tl.store(row + D, m)
+        tl.store(row + D + 1, total)
+        # the head's last chunk to finish merges them all: the barrier puts every thread's stores before
+        # the counter's release (acq_rel, GPU scope); the merge reads through L2 (.cg), as L1 may hold
+        # an earlier call's partials
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            sp = tl.arange(0, SPLITS_POW2)
+            used = sp < SPLITS
+            rows = part_ptr + (bh * SPLITS + sp) * (D + 2)
+            ms = tl.load(rows + D, mask=used, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(rows + D + 1, mask=used, other=0.0, cache_modifier=".cg")
+            accs = tl.load(rows[:, None] + d[None, :], mask=used[:, None], other=0.0, cache_modifier=".cg")
+            w = tl.exp2(ms - tl.max(ms, axis=0))  # chunk 0 holds position 0: the max is finite; empty chunks 0
+            out = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
+            tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+            tl.store(count_ptr + bh, 0)  # zero again for the next call
             if CONSUME:
-                tl.debug_barrier()  # every thread's reads of the sums before they are cleared
-                _clear_consumed(q_ptr + b * q_sb + h * q_sh, kn_ptr + b * kn_sb + kv_head * kn_sh,
-                                vn_ptr + b * vn_sb + kv_head * vn_sh, kv_count_ptr + b * (H // GROUP) + kv_head,
-                                d, GROUP)
-        else:
-            # this chunk's partial result: [acc (D), max, sum] at its slot
-            row = part_ptr + (bh * SPLITS + split) * (D + 2)
-            tl.store(row + d, acc)
-            tl.store(row + D, m)
-            tl.store(row + D + 1, total)
-            # the head's last chunk to finish merges them all: the barrier puts every thread's stores before
-            # the counter's release (acq_rel, GPU scope); the merge reads through L2 (.cg), as L1 may hold
-            # an earlier call's partials
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if done == SPLITS - 1:
-                sp = tl.arange(0, SPLITS_POW2)
-                used = sp < SPLITS
-                rows = part_ptr + (bh * SPLITS + sp) * (D + 2)
-                ms = tl.load(rows + D, mask=used, other=float("-inf"), cache_modifier=".cg")
-                ls = tl.load(rows + D + 1, mask=used, other=0.0, cache_modifier=".cg")
-                accs = tl.load(rows[:, None] + d[None, :], mask=used[:, None], other=0.0, cache_modifier=".cg")
-                w = tl.exp2(ms - tl.max(ms, axis=0))  # chunk 0 holds position 0: the max is finite; empty chunks 0
-                out = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
-                tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
-                tl.store(count_ptr + bh, 0)  # zero again for the next call
-                if CONSUME:  # every program of this head has read its query (before its release above)
-                    _clear_consumed(q_ptr + b * q_sb + h * q_sh, kn_ptr + b * kn_sb + kv_head * kn_sh,
-                                    vn_ptr + b * vn_sb + kv_head * vn_sh, kv_count_ptr + b * (H // GROUP) + kv_head,
-                                    d, GROUP)
+                # Every program of this head has read its query (before its release above): clear it.
+                # The head's key and value were read by one program of each head of its KV group: the
+                # group's last merge (a second counter) clears them.
+                zero = tl.zeros([D], tl.float32)
+                tl.store(q_ptr + b * q_sb + h * q_sh + d, zero)
+                group_done = GROUP - 1
+                if GROUP > 1:
+                    group_done = tl.atomic_add(kv_count_ptr + b * (H // GROUP) + kv_head, 1, sem="acq_rel", scope="gpu")
+                if group_done == GROUP - 1:
+                    tl.store(kn_ptr + b * kn_sb + kv_head * kn_sh + d, zero)
+                    tl.store(vn_ptr + b * vn_sb + kv_head * vn_sh + d, zero)
+                    if GROUP > 1:
+                        tl.store(kv_count_ptr + b * (H // GROUP) + kv_head, 0)
 
     return attend_kernel
 
@@ -281,7 +263,7 @@ def reference_step(query, keys, values, positions, scale, new_kv, rope=None, con
 
 
 def decode(query, keys, values, positions, scale, head_counters=None, new_kv=None, rope=None, consume=False,
-           cache_settled=False, chunk=None, num_warps=None):
+           cache_settled=False, chunk=CHUNK, num_warps=NUM_WARPS):
     """query [B, H, 1, D], keys/values [B, Hkv, L, D] (CUDA, fp16/bf16, unit stride along D), positions: a
     CUDA integer tensor of one element (every row) or B (one per row), each row's last cache position to
     attend (0-based; later positions are not read) -> [B, 1, H, D] in the cache's dtype.
@@ -295,9 +277,7 @@ def decode(query, keys, values, positions, scale, head_counters=None, new_kv=Non
     positions or the rope tables (in a decode step each layer's cache is written only by its own attention,
     and steps are separated by kernels launched without overlap), so with overlap the kernel reads them
     before waiting for the previous kernel (READ_CACHE_BEFORE_WAIT). chunk (a power of 2) and num_warps:
-    the work split, for measuring others than the defaults (CHUNK, warps_for(chunk))."""
-    chunk = chunk or CHUNK
-    num_warps = num_warps or warps_for(chunk)
+    the work split, for measuring others than the defaults."""
     b, h, _, d = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if head_counters is None:

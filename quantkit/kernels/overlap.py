@@ -5,7 +5,8 @@ running. It waits for that kernel's completion before it reads or writes anythin
 touches, but may read what no kernel writes before that: the matvec kernels (kernels/lutgemm_*_kernel.cuh,
 kernels/anyprec_matvec_kernel.cuh; kernels/grid_dependency.cuh) start copying their weights first, so the
 launch and the first weight loads hide under the previous kernel's tail. The runtime's Triton kernels (add + norm,
-SiLU·mul, decode attention) wait first thing and only let the next kernel be scheduled early.
+SiLU·mul, decode attention) let the next kernel be scheduled early and wait before their first read of what the
+kernel before wrote (the decode attention reads its cache first: runtime/decode_attention.py, cache_settled).
 In a decode step, where every kernel depends on the one before, that is part of each launch gap.
 
 The weights are read before that wait, so they must not come from the kernel just before: a kernel

@@ -6,8 +6,10 @@
 The model and timing are bench_e2e_decode's (Llama-2-7B shapes, random weights, `FastGenerator.run`, one CUDA
 graph per step, greedy). For each format the same model decodes with the switch (MODULE:NAME, set with
 setattr) at each of --values (Python literals), a new generator and graph capture per run (a graph keeps the
-kernels and arguments it was captured with), in alternating order over --rounds rounds. Prints ms/token per
-value and round and each value's speedup over the first value in the same rounds; the JSON has every run.
+kernels and arguments it was captured with), in alternating order over --rounds rounds. The switch must be read
+when the kernels launch (a name bound at import, such as a default argument, does not change with it). Prints
+ms/token per value and round and each value's speedup over the first value in the same rounds; the JSON has every
+run.
 """
 
 import argparse
@@ -50,8 +52,8 @@ def main():
     if not attr or not hasattr(module, attr):
         raise SystemExit(f"{args.switch}: no such module-level name")
     values = ast.literal_eval(args.values)
-    if not isinstance(values, tuple) or len(values) < 2:
-        raise SystemExit("--values: two or more comma-separated Python literals")
+    if not isinstance(values, tuple) or len(values) < 2 or len(set(map(repr, values))) < len(values):
+        raise SystemExit("--values: two or more different comma-separated Python literals")
     formats = args.formats.split(",")
     if any(f not in FORMATS for f in formats):
         raise SystemExit("--formats names from " + ",".join(FORMATS))

@@ -187,8 +187,9 @@ def test_interpreted_kernel_matches_reference(run_interpreted):
 @pytest.mark.parametrize("case", CASES + [(1, 32, 32, 1152, 128, 700), (4, 8, 8, 96, 256, 95)],
                          ids=lambda c: "b{}h{}kv{}L{}d{}p{}".format(*c) if isinstance(c, tuple) else str(c))
 def test_cuda_kernel_matches_reference(case, dtype, settled):
-    """settled: the cache, positions and rope tables are read before the wait for the previous kernel (with
-    overlap), as in the decoder's step; the clones and copies before each call here launch without overlap."""
+    """settled: the kernel variant that reads the cache, positions and rope tables before its wait for the
+    previous kernel (with overlap), as in the decoder's step. Here the kernels before each call launch without
+    overlap; the decoder's CUDA tests (test_fast_model.py) run it right behind an overlapped q/k/v matvec."""
     query, keys, values, positions = _case(*case, dtype=dtype, device="cuda")
     counters = da.counters(case[0], case[1], "cuda")
     for _ in range(3):  # the same counters again: each call leaves them zero

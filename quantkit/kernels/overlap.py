@@ -1,12 +1,13 @@
 """Programmatic dependent launch ("overlap") for the runtime's kernels on Hopper and newer GPUs.
 
 A kernel launched with overlap may be scheduled while the kernel before it on the stream is still
-running. It waits for that kernel's completion before it reads or writes anything another kernel
-touches, but may read what no kernel writes before that: the matvec kernels (kernels/lutgemm_*_kernel.cuh,
-kernels/anyprec_matvec_kernel.cuh; kernels/grid_dependency.cuh) start copying their weights first, so the
-launch and the first weight loads hide under the previous kernel's tail. The runtime's Triton kernels (add + norm,
-SiLU·mul, decode attention) let the next kernel be scheduled early and wait before their first read of what the
-kernel before wrote (the decode attention reads its cache first: runtime/decode_attention.py, cache_settled).
+running. It waits for that kernel's completion before it reads or writes anything a kernel that may
+still be running touches, but may read what no such kernel writes before that: the matvec kernels
+(kernels/lutgemm_*_kernel.cuh, kernels/anyprec_matvec_kernel.cuh; kernels/grid_dependency.cuh) start
+copying their weights first, so the launch and the first weight loads hide under the previous kernel's
+tail. The runtime's Triton kernels (add + norm, SiLU·mul, decode attention) let the next kernel be
+scheduled early and wait before their first read of what the kernel before wrote (the decode attention
+reads its cache first: runtime/decode_attention.py, cache_settled).
 In a decode step, where every kernel depends on the one before, that is part of each launch gap.
 
 The weights are read before that wait, so they must not come from the kernel just before: a kernel

@@ -202,8 +202,8 @@ class Block(nn.Module):
             qkv, consume = self._qkv_normed(ops.project(self.wqkv, normed)), False
         else:
             qkv, consume = ops.project_for_consumer(self.wqkv, normed)
-        # cache_settled: this layer's cache is written only by this call, and a step's last kernels (the head's
-        # matmul, the pick) launch without overlap, so nothing that may still run writes it
+        # cache_settled: this layer's cache is written only by this call, once per step, and every step starts
+        # with the embedding lookup, launched without overlap: no kernel that may still run has written it
         attn = ops.attend(qkv, cache.keys, cache.values, positions, *rope, counters, self.cfg.num_heads, self.scale,
                           consume, True)
         out, consume = ops.project_for_consumer(self.wo, attn)

@@ -6,7 +6,8 @@ graph captures it and torch.compile traces it like any ATen op:
   quantkit::rms_norm(x, weight, eps)                          Triton (runtime/add_norm.py)
   quantkit::add_rms_norm(residual, delta, weight, eps, consume) -> (residual + delta, its norm)   Triton
   quantkit::silu_mul(gate_up, dtype, consume)                 Triton (runtime/silu_mul.py)
-  quantkit::decode_attention(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume)
+  quantkit::decode_attention(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume,
+                             cache_settled)
                                                               Triton (runtime/decode_attention.py)
   quantkit::lut_matvec(x, qweight, alpha, offset, bias, group_size, workspace, overlap)   CUDA (LUT-GEMM)
   quantkit::lut_accumulate(x, qweight, alpha, offset, group_size, acc, overlap)         CUDA (LUT-GEMM)

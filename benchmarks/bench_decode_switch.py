@@ -8,8 +8,8 @@ graph per step, greedy). For each format the same model decodes with the switch 
 setattr) at each of --values (Python literals), a new generator and graph capture per run (a graph keeps the
 kernels and arguments it was captured with), in alternating order over --rounds rounds. The switch must be read
 when the kernels launch (a name bound at import, such as a default argument, does not change with it). Prints
-ms/token per value and round and each value's speedup over the first value in the same rounds; the JSON has every
-run.
+ms/token per value and round and each value's speedup over the first value in the same rounds, and says where the
+greedy tokens differ between runs; the JSON has every run.
 """
 
 import argparse
@@ -72,11 +72,13 @@ def main():
                 for i in (range(len(values)) if r % 2 == 0 else reversed(range(len(values)))):
                     setattr(module, attr, values[i])
                     try:
-                        ms = time_decode(FastGenerator(model), prompts, args.gen, args.repeats)["ms_per_token"]
+                        timed = time_decode(FastGenerator(model), prompts, args.gen, args.repeats)
                     finally:
                         setattr(module, attr, default)
                     torch.cuda.empty_cache()
-                    rows.append({"format": fmt, "round": r, "value": repr(values[i]), "ms_per_token": ms})
+                    ms = timed["ms_per_token"]
+                    rows.append({"format": fmt, "round": r, "value": repr(values[i]), "ms_per_token": ms,
+                                 "tokens_digest": timed["tokens_digest"]})
                     print(f"{fmt} round {r} {attr}={values[i]!r}: {ms:.3f} ms/token", flush=True)
         del model
         torch.cuda.empty_cache()
@@ -89,9 +91,13 @@ def main():
     for fmt in formats:
         ms = {n: [r["ms_per_token"] for r in rows if r["format"] == fmt and r["value"] == n] for n in names}
         med = {n: statistics.median(v) for n, v in ms.items()}
-        summary[fmt] = {"median_ms": med, "speedup_over_first": {n: med[names[0]] / med[n] for n in names[1:]}}
+        # greedy tokens alike under every value? (BCQ may part at a near-tie: its sums add in no fixed order)
+        same = len({r["tokens_digest"] for r in rows if r["format"] == fmt}) == 1
+        summary[fmt] = {"median_ms": med, "speedup_over_first": {n: med[names[0]] / med[n] for n in names[1:]},
+                        "same_tokens": same}
         print(f"| {fmt} | " + " | ".join(" / ".join(f"{v:.3f}" for v in ms[n]) for n in names) + " | "
-              + " | ".join(f"{med[names[0]] / med[n]:.3f}x" for n in names[1:]) + " |")
+              + " | ".join(f"{med[names[0]] / med[n]:.3f}x" for n in names[1:]) + " |"
+              + ("" if same else "  (tokens differ between runs)"))
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -30,6 +30,7 @@ Also reported:
 """
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -209,7 +210,8 @@ def time_decode(generator, prompts, gen, repeats):
     return {"ms_per_token": ms, "tokens_per_s": len(prompts) * 1000 / ms,
             "prefill_ms": statistics.median(r["prefill_ms"] for r in runs), "capture_s": capture_s,
             "runs_ms_per_token": [r["ms_per_token"] for r in runs], "cuda_graph": all(r["cuda_graph"] for r in runs),
-            "same_tokens_in_every_run": all(r["token_ids"] == runs[0]["token_ids"] for r in runs)}
+            "same_tokens_in_every_run": all(r["token_ids"] == runs[0]["token_ids"] for r in runs),
+            "tokens_digest": hashlib.sha1(repr(runs[0]["token_ids"]).encode()).hexdigest()[:12]}
 
 
 def stubbed_step_ms(model, prompts, gen, repeats):

@@ -8,7 +8,7 @@ Runs are grouped by GPU (the model its device name names); several runs of one G
 any run is never chosen), so one lucky run cannot pick a loser. Then, per measured shape, width and batch, a
 candidate other than today's kernel is chosen where it is at least --min-gain faster than today's kernel
 (both slowest times); among those the fastest, ties going to the earlier name of anyprec_gemm.CANDIDATES.
-Batches 2..7, not measured, take a candidate only where batch 1 and batch 8 of that shape chose the same one.
+Batches 2..7 are not measured and not written: anyprec_variants.choice serves them what batch 1 and 8 share.
 Every measured shape is a shape class of the table, kept even where nothing beats today's kernel (see
 anyprec_variants.shape_class for how a module's shape finds its class).
 
@@ -74,12 +74,6 @@ def choose(cases, min_gain, today_widths=()):
         best = min(fine, key=lambda n: (us[n], order[n]), default="today")
         if best != "today":
             per_shape.setdefault(bits, {})[batch] = best
-    for per_shape in chosen.values():
-        for per_batch in per_shape.values():
-            first, last = per_batch.get(1), per_batch.get(8)
-            if first is not None and first == last:
-                for batch in range(2, 8):
-                    per_batch.setdefault(batch, first)
     return chosen
 
 

@@ -20,9 +20,6 @@ from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
-# with overlap, the norm's weight (which no kernel writes) is loaded before the wait for the previous kernel, so
-# its read hides under that kernel's tail; False: after it (A/B: benchmarks/bench_decode_switch.py)
-READ_WEIGHT_BEFORE_WAIT = True
 
 
 @lazy_kernel
@@ -32,17 +29,16 @@ def _kernel(triton, tl):
     @triton.jit
     def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
                             res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
-                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr):
+                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
-        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled, wait for the previous
+        if GDC:  # overlap (kernels/overlap.py): let the next kernel be scheduled
             tl.extra.cuda.gdc_launch_dependents()
-            if EARLY:  # the weight first: no kernel writes it
-                weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        # the weight before the wait: no kernel writes it, so its read hides under the previous kernel's tail
+        weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        if GDC:  # the residual and delta come from earlier kernels
             tl.extra.cuda.gdc_wait()
-        if not (GDC and EARLY):
-            weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
         hidden = res
         if HAS_DELTA:
@@ -101,7 +97,7 @@ def _launch(residual, delta, weight, eps, consume):
     if rows:
         block = 1 << (width - 1).bit_length()
         _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
-                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None, EARLY=READ_WEIGHT_BEFORE_WAIT,
+                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None,
                            num_warps=8 if block >= 4096 else 4, **overlap.triton_launch(residual.device))
     return hidden, normed
 

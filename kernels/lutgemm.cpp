@@ -11,9 +11,6 @@ void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
 void lutgemm_lut_accumulate(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                             const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
                             int64_t mma_min_batch, int64_t blocks, bool overlap);
-void lutgemm_lut_accumulate_silu(const at::Tensor& gate_up, const at::Tensor& qweight, const at::Tensor& alpha,
-                                 const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
-                                 bool act_bf16, int64_t blocks, bool overlap);
 int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k);
 void lutgemm_dequantize(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
                         int64_t group_size, const at::Tensor& out);
@@ -33,11 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_accumulate", &lutgemm_lut_accumulate, "acc[n, k] += x[n, d] @ BCQ weight^T in fp32 (no fp16 output)",
         py::arg("x"), py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("group_size"), py::arg("acc"),
         py::arg("mma_min_batch") = kMaxBatch + 1, py::arg("blocks") = 0, py::arg("overlap") = false);
-  // gate_up: a stacked gate/up matvec's fp32 sums [n, 2d], only read; x = SiLU(gate)·up made in the kernel
-  m.def("lut_accumulate_silu", &lutgemm_lut_accumulate_silu,
-        "acc[n, k] += SiLU(gate)·up @ BCQ weight^T in fp32, from gate_up[n, 2d] fp32 sums", py::arg("gate_up"),
-        py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("group_size"), py::arg("acc"),
-        py::arg("act_bf16"), py::arg("blocks") = 0, py::arg("overlap") = false);
   m.def("workspace_floats", &lutgemm_workspace_floats_op, "fp32 elements of lut_gemm's workspace for n columns, k rows",
         py::arg("n"), py::arg("k"));
   m.def("dequantize", &lutgemm_dequantize, "out[k, d] = the BCQ weight, exact, in out.dtype", py::arg("qweight"),

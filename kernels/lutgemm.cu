@@ -95,13 +95,10 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
 // ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Without y (nullptr):
 // ws[n, k] += x · wᵀ in fp32, bias ignored, counters untouched. overlap: programmatic dependent
-// launches (grid_dependency.h; sm_90+ only). gate_up (then x is unused): x = SiLU(gate)·up of these
-// fp32 sums [n, 2d], rounded for a model in bf16 (act_bf16) or fp16; every launch on the LUT kernel.
-// Returns the first launch error.
+// launches (grid_dependency.h; sm_90+ only). Returns the first launch error.
 cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
                               const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
-                              int blocks, bool overlap, int device, cudaStream_t stream, const float* gate_up = nullptr,
-                              bool act_bf16 = false) {
+                              int blocks, bool overlap, int device, cudaStream_t stream) {
   using namespace lutgemm;
   static int sm_count[64] = {0};  // per device, asked once
   cudaError_t err = cudaSuccess;
@@ -116,14 +113,13 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
   int* counters = reinterpret_cast<int*>(ws + size_t(n) * k);  // zero bits are int 0
   for (int l = 0; l < launches; ++l) {
     const int nb = n - l * kMaxBatch < kMaxBatch ? n - l * kMaxBatch : kMaxBatch;
-    LutParams p = make_lut_params(x == nullptr ? nullptr : static_cast<const __half*>(x) + size_t(l) * kMaxBatch * d,
-                                  nb, d, reinterpret_cast<const uint32_t*>(qweight), static_cast<const __half*>(alpha),
-                                  static_cast<const __half*>(offset), static_cast<const __half*>(bias),
-                                  y ? static_cast<__half*>(y) + size_t(l) * kMaxBatch * k : nullptr,
-                                  ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g);
-    if (gate_up != nullptr) p = with_silu_mul_input(p, gate_up + size_t(l) * kMaxBatch * 2 * d, act_bf16);
+    const LutParams p = make_lut_params(static_cast<const __half*>(x) + size_t(l) * kMaxBatch * d, nb, d,
+                                        reinterpret_cast<const uint32_t*>(qweight), static_cast<const __half*>(alpha),
+                                        static_cast<const __half*>(offset), static_cast<const __half*>(bias),
+                                        y ? static_cast<__half*>(y) + size_t(l) * kMaxBatch * k : nullptr,
+                                        ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g);
     const int bp = padded_batch(nb);
-    if (gate_up == nullptr && nb >= mma_min_batch && mma_supported(g, G)) {
+    if (nb >= mma_min_batch && mma_supported(g, G)) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
       err = qk::launch_kernel(mma_kernel(pm.q), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, pm);
@@ -293,44 +289,6 @@ void lutgemm_lut_accumulate(const at::Tensor& x, const at::Tensor& qweight, cons
   const c10::cuda::CUDAGuard guard(x.device());
   launch_lut_gemm(x, qweight, alpha, offset, std::nullopt, group_size, nullptr, acc.data_ptr<float>(), mma_min_batch,
                   blocks, overlap);
-}
-
-// acc[0 : n·k] (fp32, read as [n, k]) += SiLU(gate)·up @ wᵀ, where gate_up [n, 2d] holds a stacked gate/up
-// matvec's fp32 sums (runtime/silu_mul.py's input): the activation is made where the LUT kernel loads its
-// x, rounded as a model in bf16 (act_bf16) or fp16 rounds it, so no SiLU·mul kernel runs in between.
-// gate_up is only read: its sums are the caller's to clear, after this kernel. LUT kernel at every batch.
-void lutgemm_lut_accumulate_silu(const at::Tensor& gate_up, const at::Tensor& qweight, const at::Tensor& alpha,
-                                 const std::optional<at::Tensor>& offset, int64_t group_size, const at::Tensor& acc,
-                                 bool act_bf16, int64_t blocks, bool overlap) {
-  QK_CHECK(gate_up.is_cuda() && gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-               gate_up.size(1) % 2 == 0,
-           "gate_up must be a contiguous CUDA fp32 tensor [n, 2·d], got ", gate_up.sizes(), " ", gate_up.scalar_type(),
-           " on ", gate_up.device());
-  const int64_t n = gate_up.size(0), d = gate_up.size(1) / 2;
-  check_bcq(qweight, alpha, offset, group_size, d);
-  const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
-  QK_CHECK(gate_up.device() == qweight.device(), "gate_up is on ", gate_up.device(), " but qweight on ",
-           qweight.device());
-  QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k);
-  QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),
-           "the LUT kernel addresses a weight with 32-bit offsets: q x words x out_features = ", q * W * k,
-           " must stay below 2^31");
-  QK_CHECK(group_size % 32 == 0 || G == 1, "the LUT kernel needs group_size % 32 == 0 or one group per row, got g = ",
-           group_size, " with in_features = ", d);
-  check_aligned(qweight, 16, "qweight");
-  check_aligned(alpha, 8, "alpha");
-  if (offset.has_value()) check_aligned(*offset, 8, "offset");
-  check_workspace(acc, n * k, gate_up, "acc");
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard guard(gate_up.device());
-  const cudaError_t err = lutgemm_cuda_gemm(
-      nullptr, int(n), int(d), qweight.data_ptr<int>(), alpha.data_ptr(), ptr_or_null(offset), nullptr, nullptr,
-      acc.data_ptr<float>(), int(q), int(W), int(k), int(G), int(group_size), lutgemm::kMaxBatch + 1,
-      int(std::clamp<int64_t>(blocks, 0, 1 << 20)), overlap, gate_up.device().index(),
-      c10::cuda::getCurrentCUDAStream(), gate_up.data_ptr<float>(), act_bf16);
-  QK_CHECK(err == cudaSuccess, "lut_accumulate_silu launch failed for gate_up [", n, ", ", 2 * d, "], weight ", k, "x",
-           d, ", q = ", q, ", g = ", group_size, ": ", cudaGetErrorString(err));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // out[k, d] (fp16, bf16 or fp32) = the dense weight, bit-identical to BCQQuantizedTensor.dequantize(out.dtype).

@@ -40,9 +40,7 @@ constexpr int kLutBytes = 256 * 128;              // 256 keys × (NT tables × E
 constexpr int kMaxBatch = 8;
 
 struct LutParams {
-  const __half* x;       // [nb, d] fp16, row stride d (unused with gate_up)
-  const float* gate_up;  // or [nb, 2d] fp32 sums of a stacked gate/up matvec: x = SiLU(gate)·up (LUT kernel only)
-  int act_bf16;          // with gate_up: the model's dtype is bf16 (else fp16), for the activation's rounding
+  const __half* x;       // [nb, d] fp16, row stride d
   const uint32_t* qw;    // [q, W, k] sign planes
   const __half* alpha;   // [G, q, k]
   const __half* offset;  // [G, k] or nullptr
@@ -86,22 +84,6 @@ __device__ __forceinline__ __half load_half(const __half* p) {
 #else
   return __ldg(p);
 #endif
-}
-
-__device__ __forceinline__ float round_half(float v) { return __half2float(__float2half_rn(v)); }
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-// SiLU(gate)·up from a gate/up matvec's fp32 sums (gate at p[0], up at p[width]), rounded step by step as
-// runtime/silu_mul.py rounds them: each sum to the matvec's fp16 output, then to the model's dtype, the
-// SiLU (as PyTorch computes it: g / (1 + e^-g) in fp32) and the product in that dtype, and finally to the
-// fp16 the LUT kernels take as x. Plain loads: the sums were written by the previous kernel.
-__device__ __forceinline__ float silu_mul_value(const float* p, int width, bool bf16) {
-  float g = round_half(p[0]), u = round_half(p[width]);
-  if (bf16) g = round_bf16(g), u = round_bf16(u);
-  float silu = g / (1.f + expf(-g));
-  silu = bf16 ? round_bf16(silu) : round_half(silu);
-  const float act = bf16 ? round_bf16(silu * u) : round_half(silu * u);
-  return round_half(act);
 }
 
 // Workspace written by other blocks' atomics: read from L2, never from a stale L1 line.

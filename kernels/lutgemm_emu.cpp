@@ -57,10 +57,9 @@ void write_file(const std::string& path, const std::vector<T>& v) {
 
 // usage: lutgemm_emu gemm DIR n d k q g has_offset has_bias max_blocks mma_min_batch
 //        lutgemm_emu accumulate DIR n d k q g has_offset 0 max_blocks mma_min_batch
-//        lutgemm_emu accumulate_silu DIR n d k q g has_offset bf16 max_blocks
 //        lutgemm_emu dequant DIR d k q g has_offset out_bytes(2 = fp16, 3 = bf16, 4 = fp32)
 // DIR holds qweight.bin (int32 [q,W,k]), alpha.bin (fp16 [G,q,k]), offset.bin, x.bin (fp16 [n,d]),
-// bias.bin, gate_up.bin (fp32 [n,2d], accumulate_silu's input); the result goes to DIR/y.bin (fp16 [n,k]), DIR/acc.bin (fp32 [n,k]: what accumulate adds to
+// bias.bin; the result goes to DIR/y.bin (fp16 [n,k]), DIR/acc.bin (fp32 [n,k]: what accumulate adds to
 // the zero workspace) or DIR/w.bin ([k,d]). Output buffers start as NaN so an element the kernel skips
 // shows up.
 int main(int argc, char** argv) {
@@ -125,33 +124,6 @@ int main(int argc, char** argv) {
         return 3;
       }
     emu::write_file(dir + "y.bin", y);
-    return 0;
-  }
-  if (mode == "accumulate_silu" && argc == 11) {  // x = SiLU(gate)·up of gate_up.bin, LUT kernel only
-    const int n = arg(3), d = arg(4), k = arg(5), q = arg(6), g = arg(7), has_off = arg(8), bf16 = arg(9),
-              max_blocks = arg(10);
-    const int W = (d + 31) / 32, G = (d + g - 1) / g;
-    auto qw = emu::read_file<uint32_t>(dir + "qweight.bin", size_t(q) * W * k);
-    auto al = emu::read_file<__half>(dir + "alpha.bin", size_t(G) * q * k);
-    std::vector<__half> z;
-    if (has_off) z = emu::read_file<__half>(dir + "offset.bin", size_t(G) * k);
-    const auto gate_up = emu::read_file<float>(dir + "gate_up.bin", size_t(n) * 2 * d);
-    std::vector<float> acc(size_t(n) * k, 0.f);
-    for (int l = 0; l < (n + kMaxBatch - 1) / kMaxBatch; ++l) {
-      const int nb = std::min(kMaxBatch, n - l * kMaxBatch);
-      const LutParams p = with_silu_mul_input(
-          make_lut_params(nullptr, nb, d, qw.data(), al.data(), has_off ? z.data() : nullptr, nullptr, nullptr,
-                          acc.data() + size_t(l) * kMaxBatch * k, nullptr, q, W, k, G, g),
-          gate_up.data() + size_t(l) * kMaxBatch * 2 * d, bf16 != 0);
-      const dim3 grid(lut_grid(p, max_blocks));
-      switch (padded_batch(nb)) {
-        case 1: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<1>(p); }); break;
-        case 2: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<2>(p); }); break;
-        case 4: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<4>(p); }); break;
-        default: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<8>(p); }); break;
-      }
-    }
-    emu::write_file(dir + "acc.bin", acc);
     return 0;
   }
   if (mode == "dequant" && argc == 9) {

@@ -214,26 +214,13 @@ __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur
 }
 
 // x values this thread needs to build its piece of the tables of chunk c: columns 8t..8t+7 of the
-// chunk for batch columns 2·piece, 2·piece+1 (just column 0 when BP = 1), packed as half2. With
-// p.gate_up they are made from a gate/up matvec's sums (silu_mul_value).
+// chunk for batch columns 2·piece, 2·piece+1 (just column 0 when BP = 1), packed as half2.
 template <int BP>
 __device__ __forceinline__ void load_x(const LutParams& p, int c, int lane, uint32_t (&xh)[8]) {
   using C = Cfg<BP>;
   const int t = lane / C::kPieces;
   const int b0 = BP == 1 ? 0 : 2 * (lane % C::kPieces);
   const int col0 = c * C::kChunkCols + 8 * t;
-  if (p.gate_up != nullptr) {  // x = SiLU(gate)·up of the sums, made here instead of by a kernel of its own
-    const float* g0 = p.gate_up + size_t(b0) * 2 * p.d;
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int col = col0 + u;
-      const bool ok = col < p.d;
-      const float v0 = ok && b0 < p.nb ? silu_mul_value(g0 + col, p.d, p.act_bf16) : 0.f;
-      const float v1 = BP > 1 && ok && b0 + 1 < p.nb ? silu_mul_value(g0 + 2 * p.d + col, p.d, p.act_bf16) : 0.f;
-      xh[u] = float2_to_half2_bits(v0, v1);  // exact: the values are fp16
-    }
-    return;
-  }
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     const int col = col0 + u;

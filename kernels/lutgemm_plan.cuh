@@ -37,14 +37,6 @@ inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t*
   return p;
 }
 
-// The LUT kernel's parameters with x made from a gate/up matvec's fp32 sums [nb, 2d] (silu_mul_value).
-inline LutParams with_silu_mul_input(LutParams p, const float* gate_up, bool act_bf16) {
-  p.x = nullptr, p.x_vec = 0;
-  p.gate_up = gate_up;
-  p.act_bf16 = act_bf16;
-  return p;
-}
-
 inline LutParams make_mma_params(LutParams p) {  // from make_lut_params: re-tile for bcq_mma_kernel
   p.n_rt = (p.k + kMmaTileRows - 1) / kMmaTileRows;
   p.n_ch = (p.W + kMmaChunkWords - 1) / kMmaChunkWords;

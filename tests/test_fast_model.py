@@ -26,7 +26,7 @@ import quantkit
 from factories import LLAMA_FAMILY, save_tiny, tiny_causal_lm
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import quantize_checkpoint
-from quantkit.runtime import ops, silu_mul
+from quantkit.runtime import ops
 from quantkit.runtime.generate import FastGenerator, Sampling, _picker, pick_greedy, pick_sampled
 from quantkit.runtime.model import DecoderConfig, UnsupportedModel, rope_inverse_frequencies
 from quantkit.runtime.quant_linear import QuantLinear
@@ -439,9 +439,8 @@ def _op_samples():
     counters = torch.zeros(16, dtype=torch.int32)
     return [
         (ops.rms_norm, (x, w, 1e-6)),
-        (ops.add_rms_norm, (x, torch.randn(3, 64, generator=g), w, 1e-6, False, None)),
-        (ops.add_rms_norm, (x, torch.randn(3, 64, generator=g), w, 1e-6, True, None)),
-        (ops.add_rms_norm, (x, torch.randn(3, 64, generator=g), w, 1e-6, True, torch.randn(3, 128, generator=g))),
+        (ops.add_rms_norm, (x, torch.randn(3, 64, generator=g), w, 1e-6, False)),
+        (ops.add_rms_norm, (x, torch.randn(3, 64, generator=g), w, 1e-6, True)),
         (ops.silu_mul_op, (torch.randn(3, 64, generator=g), torch.float32, False)),
         (ops.silu_mul_op, (torch.randn(3, 64, generator=g), torch.float32, True)),
         (ops.attend, (qkv, keys, values, torch.tensor([5, 23]), table, table.flip(0), counters, 4, 0.25, False)),
@@ -449,7 +448,7 @@ def _op_samples():
     ]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(7))
 def test_operators_pass_torch_library_checks(index):
     """Schema (declared mutations), fake implementations, and tracing by AOT dispatch (torch.compile's path)."""
     op, args = _op_samples()[index]
@@ -686,16 +685,13 @@ def test_cuda_sampling_is_seeded(gpu_checkpoint):
 
 
 @pytest.mark.requires("cuda", "triton")
-@pytest.mark.parametrize("fmt,sums,silu_in_down", [("bcq", True, True), ("bcq", True, False), ("anyprec", False, True),
-                                                   ("float", False, True)])
-def test_cuda_captured_step_runs_the_kernels(fmt, sums, silu_in_down, gpu_checkpoint, monkeypatch):
+@pytest.mark.parametrize("fmt,sums", [("bcq", True), ("anyprec", False), ("float", False)])
+def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypatch):
     """The captured step launches the Triton kernels (attention, add + norm, SiLU·mul), the matvec operators,
-    LUT sums left for the next kernel where BCQ serves, SiLU·mul made by the down matvec's LUT kernel where
-    that serves (else a kernel of its own); on sm_90+ the launches overlap."""
+    LUT sums left for the next kernel where BCQ serves; on sm_90+ the launches overlap."""
     from quantkit.kernels import overlap
     from quantkit.runtime import add_norm, decode_attention, silu_mul
 
-    monkeypatch.setattr(ops, "SILU_IN_DOWN_MATVEC", silu_in_down)
     # mistral: no biases, so every projection of the BCQ model may leave its sums (the llama here has q/k/v biases)
     fast = load_pair(gpu_checkpoint, "mistral", fmt, 3 if fmt == "anyprec" else None, device="cuda")[1]
     _require_kernels(fast)
@@ -706,8 +702,7 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, silu_in_down, gpu_checkp
         monkeypatch.setattr(module, name, lambda *a, **k: calls.append((name, k.get("consume"))) or original(*a, **k))
 
     for module, name in ((add_norm, "add_rms_norm"), (silu_mul, "silu_mul"), (decode_attention, "decode"),
-                         (ops, "lut_accumulate"), (ops, "lut_accumulate_silu"), (ops, "lut_matvec"),
-                         (ops, "anyprec_matvec")):
+                         (ops, "lut_accumulate"), (ops, "lut_matvec"), (ops, "anyprec_matvec")):
         spy(module, name)
     launched = []
     triton_launch = overlap.triton_launch
@@ -718,15 +713,10 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, silu_in_down, gpu_checkp
     generator.run(_gpu_prompts(1), 4)  # warm-up steps, the capture, prefill, replays
     layers = fast.cfg.num_layers
     names = [n for n, _ in calls]
-    folded = sums and silu_in_down
-    assert names.count("decode") >= layers
-    assert names.count("lut_accumulate_silu" if folded else "silu_mul") >= layers
-    # (prefill's SiLU·mul takes finished outputs: consume False)
-    assert ("silu_mul", True) not in calls if folded else "lut_accumulate_silu" not in names
+    assert names.count("decode") >= layers and names.count("silu_mul") >= layers
     assert ("lut_accumulate" in names) == sums and ("anyprec_matvec" in names) == (fmt == "anyprec")
     if sums:
-        assert ("decode", True) in calls and ("add_rms_norm", True) in calls
-        assert folded or ("silu_mul", True) in calls
+        assert ("decode", True) in calls and ("silu_mul", True) in calls and ("add_rms_norm", True) in calls
     if overlap.for_device("cuda"):
         assert any(launched)
 
@@ -746,44 +736,6 @@ def test_cuda_matvec_operators_pass_checks_and_compile(gpu_checkpoint):
     torch.library.opcheck(ops.lut_accumulate, (x, *args[1:4], module.meta["group_size"], acc.clone(), False))
     ops.lut_accumulate(x, *args[1:4], module.meta["group_size"], acc, False)
     torch.testing.assert_close(acc.view(2, -1).half(), want, rtol=2e-2, atol=2e-2)
-    # the down projection with SiLU·mul made from gate/up sums: the sums of the same matvec on silu_mul's output
-    down = fast.layers[0].w2
-    offset = down.offset if down.meta["offset"] else None
-    gate_up = torch.randn(2, 2 * down.in_features, device="cuda") * 3
-    act = silu_mul.silu_mul_torch(gate_up.clone(), torch.float16, consume=True)
-    want = torch.zeros(2 * down.out_features, device="cuda")
-    ops.lut_accumulate(act, down.qweight, down.alpha, offset, down.meta["group_size"], want, False)
-    got = torch.zeros(2 * down.out_features, device="cuda")
-    silu_args = (gate_up, down.qweight, down.alpha, offset, down.meta["group_size"])
-    torch.library.opcheck(ops.lut_accumulate_silu, (*silu_args, got.clone(), False, False))
-    before = gate_up.clone()
-    ops.lut_accumulate_silu(*silu_args, got, False, False)
-    assert torch.equal(gate_up, before)  # only read: the next add + norm clears it
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.requires("cuda", "lutgemm")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_silu_in_the_down_matvec_decodes_as_the_silu_kernel(dtype, gpu_checkpoint, monkeypatch):
-    """The decoder with SiLU·mul made by the down matvec (batches below the tensor-core kernel's) and with the
-    SiLU·mul kernel give the same logits, step after step of a captured graph: the gate/up sums are cleared
-    between steps (else the next step's would add to them)."""
-    fast = load_pair(gpu_checkpoint, "mistral", "bcq", device="cuda", dtype=dtype)[1]
-    _require_kernels(fast)
-    prompts = _gpu_prompts()
-    runs = {}
-    for folded in (True, False):
-        monkeypatch.setattr(ops, "SILU_IN_DOWN_MATVEC", folded)
-        runs[folded] = FastGenerator(fast).run(prompts, GPU_STEPS)
-        assert runs[folded]["cuda_graph"]
-    for prompt, a, b in zip(prompts, runs[True]["token_ids"], runs[False]["token_ids"]):
-        _assert_same_until_near_tie(fast, prompt, a, b, "SiLU·mul in the down matvec vs its own kernel")
-    tokens = torch.tensor([row[:-1] for row in runs[False]["token_ids"]], device="cuda")
-    logits = {}
-    for folded in (True, False):  # eager steps on the same tokens
-        monkeypatch.setattr(ops, "SILU_IN_DOWN_MATVEC", folded)
-        logits[folded] = fast_logits(fast, prompts, tokens)
-    assert relative_gap(logits[True], logits[False]) < 1e-2
 
 
 @pytest.mark.requires("cuda")

@@ -12,9 +12,6 @@ weight multiplies them (in fp32, rounded once: the same as an fp16 product).
 
 The delta may also be a LUT kernel's fp32 accumulator (QuantLinear.accumulate, `consume=True`): the
 kernel rounds it as the matvec's own fp16 output would be rounded, and zeroes it for the next call.
-It may also zero another fp32 buffer (`clear`), with programs of their own beside the rows' after the
-wait: the gate/up sums that the down projection's LUT kernel read as its SiLU·mul input
-(runtime/ops.py project_silu_sums), which no kernel may clear before that matvec has completed.
 """
 
 import torch
@@ -23,7 +20,6 @@ from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel, runs_on
 
 MAX_WIDTH = 16384  # one program holds a whole row in registers
-CLEAR_BLOCK = 4096  # floats of `clear` per extra program: a 7B MLP's gate/up sums (22016) are 6 programs
 
 
 @lazy_kernel
@@ -31,10 +27,9 @@ def _kernel(triton, tl):
     """The kernel, compiled by Triton on first launch."""
 
     @triton.jit
-    def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, clear_ptr, eps, width,
-                            res_stride, delta_stride, rows, clear_numel, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
-                            HAS_DELTA: tl.constexpr, CLEAR: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
-                            GDC: tl.constexpr):
+    def add_rms_norm_kernel(res_ptr, delta_ptr, weight_ptr, hidden_ptr, normed_ptr, eps, width,
+                            res_stride, delta_stride, BLOCK: tl.constexpr, CONSUME: tl.constexpr,
+                            HAS_DELTA: tl.constexpr, GDC: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < width
@@ -42,13 +37,8 @@ def _kernel(triton, tl):
             tl.extra.cuda.gdc_launch_dependents()
         # the weight before the wait: no kernel writes it, so its read hides under the previous kernel's tail
         weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        if GDC:  # the residual and delta come from earlier kernels (and `clear` is read by the last one)
+        if GDC:  # the residual and delta come from earlier kernels
             tl.extra.cuda.gdc_wait()
-        if CLEAR:
-            if row >= rows:  # a program of its own: zero CLEAR_BLOCK floats of `clear`
-                offs = (row - rows) * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
-                tl.store(clear_ptr + offs, tl.zeros([CLEAR_BLOCK], tl.float32), mask=offs < clear_numel)
-                return
         res = tl.load(res_ptr + row * res_stride + cols, mask=inside, other=0.0)
         hidden = res
         if HAS_DELTA:
@@ -84,41 +74,31 @@ def supported(residual, delta, weight, consume=False):
             and residual.stride(-1) == 1)
 
 
-def clear_fits(clear, residual):
-    """Whether `add_rms_norm` can zero `clear` (None: nothing to zero) beside residual's rows."""
-    return clear is None or (clear.dtype == torch.float32 and clear.is_contiguous() and clear.device == residual.device)
-
-
-def add_rms_norm(residual, delta, weight, eps, consume=False, clear=None):
+def add_rms_norm(residual, delta, weight, eps, consume=False):
     """(residual + delta, weight * rmsnorm(residual + delta)) as new contiguous tensors of residual's shape;
     rows may be strided (e.g. views of a stacked output), the last dimension must be contiguous.
     consume: delta is a matvec's fp32 accumulator (QuantLinear.accumulate), added as the matvec's fp16
-    output would be and left zero. clear: a contiguous fp32 tensor zeroed by the same launch (clear_fits)."""
-    return _launch(residual, delta, weight, eps, consume, clear)
+    output would be and left zero."""
+    return _launch(residual, delta, weight, eps, consume)
 
 
 def rms_norm(x, weight, eps):
     """weight * rmsnorm(x) as a new contiguous tensor of x's shape (the kernel without the add)."""
-    return _launch(x, None, weight, eps, False, None)[1]
+    return _launch(x, None, weight, eps, False)[1]
 
 
-def _launch(residual, delta, weight, eps, consume, clear):
+def _launch(residual, delta, weight, eps, consume):
     width = residual.shape[-1]
     res2 = residual.reshape(-1, width)
     delta2 = res2 if delta is None else delta.reshape(-1, width)  # an unused pointer without a delta
     hidden = res2 if delta is None else torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     normed = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     rows = res2.shape[0]
-    clear_numel = 0 if clear is None else clear.numel()
     if rows:
         block = 1 << (width - 1).bit_length()
-        grid = rows + -(-clear_numel // CLEAR_BLOCK)
-        _kernel()[(grid,)](res2, delta2, weight, hidden, normed, res2 if clear is None else clear, eps, width,
-                           res2.stride(0), delta2.stride(0), rows, clear_numel, BLOCK=block, CONSUME=consume,
-                           HAS_DELTA=delta is not None, CLEAR=clear_numel > 0, CLEAR_BLOCK=CLEAR_BLOCK,
+        _kernel()[(rows,)](res2, delta2, weight, hidden, normed, eps, width, res2.stride(0), delta2.stride(0),
+                           BLOCK=block, CONSUME=consume, HAS_DELTA=delta is not None,
                            num_warps=8 if block >= 4096 else 4, **overlap.triton_launch(residual.device))
-    elif clear is not None:
-        clear.zero_()
     return hidden, normed
 
 

@@ -12,11 +12,9 @@ custom operator (runtime/ops.py), so the step can be captured in a CUDA graph (r
 A decode step of one layer, on CUDA with the LUT kernels (BCQ, and uniform via its BCQ form):
   wqkv matvec, its fp32 sums left unfinished -> decode attention (finishes and rotates q/k, writes k/v
   into the cache at each row's position, attends) -> wo matvec (sums) -> residual add + post-attention
-  RMSNorm (finishes the sums) -> w13 matvec (sums) -> w2 matvec (sums), whose LUT kernel makes SiLU·mul of
-  the w13 sums as it loads them -> the next layer's add + input RMSNorm (or the final norm), which finishes
-  the w2 sums and clears the w13 ones. Where the LUT kernel does not serve w2 at the batch, a SiLU·mul
-  kernel finishes the w13 sums before it. Formats whose kernels leave no sums (fp16, any-precision, layers
-  with a bias) hand their finished outputs to the same operators.
+  RMSNorm (finishes the sums) -> w13 matvec (sums) -> SiLU·mul (finishes them) -> w2 matvec (sums), which
+  the next layer's add + input RMSNorm (or the final norm) finishes. Formats whose kernels leave no sums
+  (fp16, any-precision, layers with a bias) hand their finished outputs to the same operators.
 
 Everything is read from the transformers config object (`DecoderConfig.from_transformers`), nothing from
 transformers' code. Qwen3's per-head q/k RMSNorm comes before the rotation; q/k/v biases (Qwen2, or
@@ -199,8 +197,7 @@ class Block(nn.Module):
 
     def decode(self, hidden, normed, cache: LayerCache, positions, rope, counters):
         """One step of B rows: hidden [B, hidden] the residual stream, normed its input norm -> (hidden after
-        attention, the MLP's output to add, whether that is fp32 sums to consume, fp32 sums the next
-        add + norm must clear or None)."""
+        attention, the MLP's output to add, whether that is fp32 sums to consume)."""
         if self.cfg.qk_norm:
             qkv, consume = self._qkv_normed(ops.project(self.wqkv, normed)), False
         else:
@@ -210,15 +207,11 @@ class Block(nn.Module):
         attn = ops.attend(qkv, cache.keys, cache.values, positions, *rope, counters, self.cfg.num_heads, self.scale,
                           consume, True)
         out, consume = ops.project_for_consumer(self.wo, attn)
-        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, consume, None)
+        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, consume)
         gate_up, consume = ops.project_for_consumer(self.w13, normed)
-        if consume:
-            down = ops.project_silu_sums(self.w2, gate_up, hidden.dtype)
-            if down is not None:  # SiLU·mul made by the w2 kernel; gate_up is cleared after it has completed
-                return hidden, down, True, gate_up
         act = ops.silu_mul_op(gate_up, hidden.dtype, consume)
         down, consume = ops.project_for_consumer(self.w2, act)
-        return hidden, down, consume, None
+        return hidden, down, consume
 
     def prefill(self, hidden, normed, cache: LayerCache, rope):
         """The prompt [B, P, hidden] (rows right-padded; causal, so padding is never attended by real
@@ -238,7 +231,7 @@ class Block(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                               enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         out = ops.project(self.wo, attn.transpose(1, 2).reshape(b, p, -1))
-        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, False, None)
+        hidden, normed = ops.add_rms_norm(hidden, out, self.mlp_norm.weight, self.mlp_norm.eps, False)
         act = ops.silu_mul_op(ops.project(self.w13, normed), hidden.dtype, False)
         return hidden, ops.project(self.w2, act)
 
@@ -289,9 +282,9 @@ class Decoder(nn.Module):
     def max_len(self):
         return self.caches[0].keys.shape[2] if self.caches else 0
 
-    def _head(self, hidden, delta, consume, clear):
+    def _head(self, hidden, delta, consume):
         """The last residual add with the final norm, then the head: logits [rows, vocab]."""
-        _, normed = ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps, consume, clear)
+        _, normed = ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps, consume)
         return F.linear(normed, self.lm_head)
 
     @torch.inference_mode()
@@ -305,12 +298,11 @@ class Decoder(nn.Module):
         delta = None  # the previous layer's MLP output, added in the kernel of the next norm
         for layer, cache in zip(self.layers, self.caches):
             if delta is not None:
-                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, False,
-                                                  None)
+                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, False)
             hidden, delta = layer.prefill(hidden, normed, cache, self.rope)
         rows = torch.arange(b, device=ids.device)
         last = lengths.to(ids.device) - 1
-        return self._head(hidden[rows, last], delta[rows, last], False, None)
+        return self._head(hidden[rows, last], delta[rows, last], False)
 
     def decode(self, ids, positions):
         """One decode step: ids [B] the rows' tokens, positions [B] where each goes in the cache (a device
@@ -318,12 +310,9 @@ class Decoder(nn.Module):
         first = self.layers[0]
         hidden = self.embed(ids)
         normed = ops.rms_norm(hidden, first.attn_norm.weight, first.attn_norm.eps)
-        # the previous layer's MLP output (or its fp32 sums), added in the next norm, which also clears the
-        # gate/up sums its down matvec read (None where a SiLU·mul kernel cleared them)
-        delta, consume, clear = None, False, None
+        delta, consume = None, False  # the previous layer's MLP output (or its fp32 sums), added in the next norm
         for layer, cache in zip(self.layers, self.caches):
             if delta is not None:
-                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, consume,
-                                                  clear)
-            hidden, delta, consume, clear = layer.decode(hidden, normed, cache, positions, self.rope, self.counters)
-        return self._head(hidden, delta, consume, clear)
+                hidden, normed = ops.add_rms_norm(hidden, delta, layer.attn_norm.weight, layer.attn_norm.eps, consume)
+            hidden, delta, consume = layer.decode(hidden, normed, cache, positions, self.rope, self.counters)
+        return self._head(hidden, delta, consume)

@@ -4,16 +4,13 @@ Each kernel runtime.model calls in a decode step is an operator with a fake (met
 graph captures it and torch.compile traces it like any ATen op:
 
   quantkit::rms_norm(x, weight, eps)                          Triton (runtime/add_norm.py)
-  quantkit::add_rms_norm(residual, delta, weight, eps, consume, clear) -> (residual + delta, its norm)
-                                                              Triton
+  quantkit::add_rms_norm(residual, delta, weight, eps, consume) -> (residual + delta, its norm)   Triton
   quantkit::silu_mul(gate_up, dtype, consume)                 Triton (runtime/silu_mul.py)
   quantkit::decode_attention(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume,
                              cache_settled)
                                                               Triton (runtime/decode_attention.py)
   quantkit::lut_matvec(x, qweight, alpha, offset, bias, group_size, workspace, overlap)   CUDA (LUT-GEMM)
   quantkit::lut_accumulate(x, qweight, alpha, offset, group_size, acc, overlap)         CUDA (LUT-GEMM)
-  quantkit::lut_accumulate_silu(gate_up, qweight, alpha, offset, group_size, acc, act_bf16, overlap)
-                                                              CUDA (LUT-GEMM, x = SiLU(gate)·up of sums)
   quantkit::anyprec_matvec(x, planes, lut, bits, bias, overlap)                          CUDA (any-precision)
 
 The Triton operators run their kernel where it serves (CUDA, Triton installed, shapes it handles) and
@@ -35,9 +32,6 @@ from quantkit.runtime import add_norm, decode_attention, silu_mul
 from quantkit.runtime.quant_linear import QuantLinear
 
 MATVEC_MAX_ROWS = 8  # rows of x one LUT or any-precision matvec launch serves (the kernels' batch)
-# project_silu_sums serves (else a SiLU·mul kernel runs between the gate/up and down matvecs): a switch
-# for benchmarks/bench_decode_switch.py and the tests that compare both
-SILU_IN_DOWN_MATVEC = True
 
 # --- Triton kernels ------------------------------------------------------------------------------------
 
@@ -55,23 +49,19 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("quantkit::add_rms_norm", mutates_args=("delta", "clear"))
-def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, consume: bool,
-                 clear: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(residual + delta, weight * rmsnorm(residual + delta)); consume: delta is fp32 sums, cleared; clear:
-    fp32 sums an earlier kernel read (project_silu_sums), zeroed by the same launch."""
-    if add_norm.supported(residual, delta, weight, consume) and add_norm.clear_fits(clear, residual):
-        return add_norm.add_rms_norm(residual, delta, weight, eps, consume=consume, clear=clear)
+@torch.library.custom_op("quantkit::add_rms_norm", mutates_args=("delta",))
+def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, consume: bool) -> tuple[Tensor, Tensor]:
+    """(residual + delta, weight * rmsnorm(residual + delta)); consume: delta is fp32 sums, cleared."""
+    if add_norm.supported(residual, delta, weight, consume):
+        return add_norm.add_rms_norm(residual, delta, weight, eps, consume=consume)
     if consume:
         delta = QuantLinear.finish(delta, residual.dtype)
     hidden, normed = add_norm.add_rms_norm_torch(residual, delta, weight, eps)
-    if clear is not None:
-        clear.zero_()
     return hidden.contiguous(), normed.contiguous()
 
 
 @add_rms_norm.register_fake
-def _(residual, delta, weight, eps, consume, clear):
+def _(residual, delta, weight, eps, consume):
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
@@ -142,19 +132,6 @@ def lut_accumulate(x: Tensor, qweight: Tensor, alpha: Tensor, offset: Optional[T
 
 @lut_accumulate.register_fake
 def _(x, qweight, alpha, offset, group_size, acc, overlap):
-    return None
-
-
-@torch.library.custom_op("quantkit::lut_accumulate_silu", mutates_args=("acc",), device_types="cuda")
-def lut_accumulate_silu(gate_up: Tensor, qweight: Tensor, alpha: Tensor, offset: Optional[Tensor], group_size: int,
-                        acc: Tensor, act_bf16: bool, overlap: bool) -> None:
-    """acc[: n·k] += SiLU(gate)·up @ BCQ weightᵀ in fp32 for gate_up [n <= 8, 2d], a stacked gate/up matvec's
-    fp32 sums, only read (rounded as silu_mul rounds them for a model in bf16 or fp16); sums not finished."""
-    lutgemm.kernels().lut_accumulate_silu(gate_up, qweight, alpha, offset, group_size, acc, act_bf16, overlap=overlap)
-
-
-@lut_accumulate_silu.register_fake
-def _(gate_up, qweight, alpha, offset, group_size, acc, act_bf16, overlap):
     return None
 
 
@@ -245,32 +222,6 @@ def project_sums(module, x):
     overlapped = overlap.enabled() and overlap.settled(module, module.qweight, module.alpha, offset)
     lut_accumulate(x2, module.qweight, module.alpha, offset, module.meta["group_size"], workspace, overlapped)
     return workspace[: x2.shape[0] * module.out_features].view(*x.shape[:-1], module.out_features)
-
-
-def project_silu_sums(module, gate_up, dtype):
-    """The fp32 sums of module(SiLU(gate)·up) left in the module's workspace, as project_sums leaves them,
-    where gate_up [..., 2·in_features] are a stacked gate/up projection's sums (project_sums) and the LUT
-    kernel serves the bias-free BCQ `module` at this batch (below the tensor-core kernel's): the kernel
-    makes the activation as it loads its x, so no SiLU·mul runs. gate_up is left as it was: the caller
-    clears it once this matvec has completed (the next add_rms_norm's `clear`). None otherwise (nothing ran)."""
-    if not (SILU_IN_DOWN_MATVEC and isinstance(module, QuantLinear) and gate_up.is_cuda and module.bias is None
-            and gate_up.is_contiguous()
-            and gate_up.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16)):
-        return None
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    if rows.shape[0] >= lutgemm.MMA_MIN_BATCH or rows.shape[1] != 2 * module.in_features:
-        return None
-    ops = _lut_served(module, rows)
-    if ops is None:
-        return None
-    workspace = lutgemm.kept_workspace(module, gate_up.device, module.out_features, ops)
-    if workspace is None:
-        return None
-    offset = _offset(module)
-    overlapped = overlap.enabled() and overlap.settled(module, module.qweight, module.alpha, offset)
-    lut_accumulate_silu(rows, module.qweight, module.alpha, offset, module.meta["group_size"], workspace,
-                        dtype == torch.bfloat16, overlapped)
-    return workspace[: rows.shape[0] * module.out_features].view(*gate_up.shape[:-1], module.out_features)
 
 
 def project_for_consumer(module, x):

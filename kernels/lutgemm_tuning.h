@@ -7,11 +7,11 @@
 // ---- the LUT kernel (1..8 columns of x, LUT in shared memory) ------------------------------------
 
 // Ring stages of the LUT kernel's pipeline: each lane has LUT_STAGES - 1 steps of sign words and scales in
-// flight (cp.async into shared memory) while it computes one. 3 stages (104 KB with the LUT at 1..4
-// columns, 2 resident blocks per SM) keep ~96 KB of loads in flight per SM, several times an H100's
-// bandwidth x latency product; at 4 stages shared memory allows only one block per SM.
+// flight (cp.async into shared memory) while it computes one. 2 stages (80 KB with the LUT at 1..4
+// columns, 2 resident blocks per SM) stream a single large matvec as fast as 3 did, and decode 2-3 % faster
+// (docs/lutgemm-kernel.md); at 4 stages shared memory allows only one block per SM.
 #ifndef LUT_STAGES
-#define LUT_STAGES 3  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
+#define LUT_STAGES 2  // chosen by benchmarks/bench_e2e_decode.py, BCQ q3 / q4 batch 1, H100
 #endif
 static_assert(LUT_STAGES >= 2 && LUT_STAGES <= 8, "LUT_STAGES must be 2..8");
 

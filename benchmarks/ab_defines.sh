@@ -7,6 +7,9 @@
 #   OUT=$OUT benchmarks/ab_defines.sh lutgemm 3 "--shapes 49152x12288 --batches 1,8 --no-crossover" "" "-DMMA_MIN_BLOCKS=3"
 #   OUT=$OUT benchmarks/ab_defines.sh anyprec 2 "--bits 3 --no-switch --no-ablation" "-DAP_COPY_ALL_LANES=0" ""
 #   benchmarks/ab_defines.sh --knobs anyprec     # list the switches a variant may set, with their values
+# BENCH=<script> runs another benchmark per variant instead, e.g. the whole decode (its --json is set here):
+#   OUT=$OUT BENCH=benchmarks/bench_e2e_decode.py benchmarks/ab_defines.sh lutgemm 2 \
+#       "--formats fp16,bcq-q3-g128 --batches 1 --gen 128 --no-share" "" "-DLUT_STAGES=3"
 set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
 declare -A benches=([lutgemm]=benchmarks/bench_lutgemm.py [anyprec]=benchmarks/bench_anyprec_kernel.py
@@ -38,6 +41,8 @@ args=${3?benchmark arguments}
 shift 3
 variants=("$@")
 [ -n "${benches[$kernel]:-}" ] || { echo "unknown kernel family $kernel" >&2; exit 2; }
+bench=${BENCH:-${benches[$kernel]}}
+[ -f "$repo/$bench" ] || [ -f "$bench" ] || { echo "no benchmark script $bench" >&2; exit 2; }
 
 # every -DNAME of a variant must be a switch of the family's tuning header (a typo would A/B nothing)
 allowed=" $(knobs "$kernel" | tr '\n' ' ') "
@@ -61,7 +66,7 @@ for r in $(seq 1 "$rounds"); do
   i=0
   for v in "${variants[@]}"; do
     # shellcheck disable=SC2086  # args is a list of benchmark options
-    QUANTKIT_KERNEL_DEFINES="$v" timeout 200 python3 "${benches[$kernel]}" $args --json "$out/ab_r${r}_v${i}.json" > "$out/ab_r${r}_v${i}.log" 2>&1
+    QUANTKIT_KERNEL_DEFINES="$v" timeout 200 python3 "$bench" $args --json "$out/ab_r${r}_v${i}.json" > "$out/ab_r${r}_v${i}.log" 2>&1
     echo "round $r variant $i [$v] rc=$?"
     i=$((i + 1))
   done

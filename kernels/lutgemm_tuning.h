@@ -8,8 +8,8 @@
 
 // Ring stages of the LUT kernel's pipeline: each lane has LUT_STAGES - 1 steps of sign words and scales in
 // flight (cp.async into shared memory) while it computes one. 2 stages (80 KB with the LUT at 1..4
-// columns, 2 resident blocks per SM) stream a single large matvec as fast as 3 did, and decode 2-3 % faster
-// (docs/lutgemm-kernel.md); at 4 stages shared memory allows only one block per SM.
+// columns, 2 resident blocks per SM) stream a single large matvec as fast as 3 did, and decode BCQ up to 3 %
+// faster (docs/lutgemm-kernel.md); at 4 stages shared memory allows only one block per SM.
 #ifndef LUT_STAGES
 #define LUT_STAGES 2  // chosen by benchmarks/bench_e2e_decode.py, BCQ q3 / q4 batch 1, H100
 #endif
@@ -21,8 +21,8 @@ static_assert(LUT_STAGES >= 2 && LUT_STAGES <= 8, "LUT_STAGES must be 2..8");
 #endif
 static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4, "LUT_STEP_WORDS must be 1, 2 or 4");
 
-// Resident blocks per SM the LUT kernel's register allocation must allow (shared memory allows 2 at 3
-// stages).
+// Resident blocks per SM the LUT kernel's register allocation must allow (shared memory allows 2 at 2 or 3
+// stages of 4 words).
 #ifndef LUT_MIN_BLOCKS
 #define LUT_MIN_BLOCKS 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
 #endif

@@ -287,7 +287,8 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
 template <int BP>
-__global__ void __launch_bounds__(kThreads, LUT_MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
+__global__ void __launch_bounds__(kThreads, BP == 8 ? LUT_MIN_BLOCKS_B8 : LUT_MIN_BLOCKS)
+    lut_gemm_kernel(const LutParams p) {
   using C = Cfg<BP>;
   constexpr int NT = C::kTables, NW = C::kWords, SW = C::kStepWords, NH = C::kSteps, EB = C::kEntryBytes;
   constexpr int S = C::kStages;

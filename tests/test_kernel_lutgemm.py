@@ -12,7 +12,9 @@ Both matvec kernels are covered: the LUT kernel and the tensor-core one (mma_min
 The file mixes CPU and GPU tests, so the `gpu` mark is per test rather than a module pytestmark.
 """
 
+import os
 import random
+import shlex
 import subprocess
 
 import numpy as np
@@ -310,8 +312,10 @@ def test_no_extension_means_reference(monkeypatch):
 def emulator(tmp_path_factory, requires):
     cxx, include = requires("g++"), requires("cuda_headers")
     exe = tmp_path_factory.mktemp("lutgemm-emu") / "lutgemm_emu"
-    cmd = [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", "-pthread", "-DLUTGEMM_HOST_EMU", f"-I{include}",
-           "-x", "c++", str(EMULATOR), "-o", str(exe)]
+    # the tuning overrides a GPU build would take (QUANTKIT_KERNEL_DEFINES), so an A/B variant is checked here too
+    defines = shlex.split(os.environ.get("QUANTKIT_KERNEL_DEFINES", ""))
+    cmd = [cxx, "-std=c++20", "-O2", "-fno-strict-aliasing", "-pthread", "-DLUTGEMM_HOST_EMU", *defines,
+           f"-I{include}", "-x", "c++", str(EMULATOR), "-o", str(exe)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return exe

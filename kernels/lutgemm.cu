@@ -16,6 +16,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 
 #include "check.h"
 #include "kernel_attrs.h"
@@ -27,11 +29,14 @@
 #include <optional>
 
 namespace {
-// The LUT kernel for BP padded columns, its dynamic shared memory allowed on the current device.
-template <int BP>
+// The LUT kernel for BP padded columns (lean: the LUT_MIN_BLOCKS_LEAN register budget), its dynamic shared
+// memory allowed on the current device.
+template <int BP, bool LEAN = false>
 auto lut_kernel() {
-  qk::configure_once<lutgemm::lut_gemm_kernel<BP>>(lutgemm::Cfg<BP>::kSmemBytes, -1);  // a failure shows at launch
-  return lutgemm::lut_gemm_kernel<BP>;
+  constexpr int kMinBlocks = LEAN ? LUT_MIN_BLOCKS_LEAN : LUT_MIN_BLOCKS;
+  // a failure shows at launch
+  qk::configure_once<lutgemm::lut_gemm_kernel<BP, kMinBlocks>>(lutgemm::Cfg<BP>::kSmemBytes, -1);
+  return lutgemm::lut_gemm_kernel<BP, kMinBlocks>;
 }
 
 template <int BP>
@@ -39,6 +44,21 @@ int lut_resident_blocks() {
   int n = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_kernel<BP>(), lutgemm::kThreads, lutgemm::Cfg<BP>::kSmemBytes);
   return n;
+}
+
+// Whether `device` runs the lean LUT instances (1-4 columns): where the decode measured faster with them,
+// the H100s (lutgemm_tuning.h). Shared memory, not registers, sets their residency, so the grid is the same.
+bool lut_lean_registers(int device) {
+  static std::atomic<int> known[64];  // 0 = not asked yet, 1 = no, 2 = yes
+  if (device < 0 || device >= 64) return false;
+  int state = known[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    cudaDeviceProp prop{};
+    const bool named = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
+    state = named && std::strstr(prop.name, "H100") != nullptr ? 2 : 1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
 }
 
 // The tensor-core kernel, its dynamic shared memory (the ring; it depends on q) allowed on the current
@@ -127,10 +147,19 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
       continue;
     }
     const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
-    if (bp == 1) err = qk::launch_kernel(lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes, stream, overlap, p);
-    else if (bp == 2) err = qk::launch_kernel(lut_kernel<2>(), grid, kThreads, Cfg<2>::kSmemBytes, stream, overlap, p);
-    else if (bp == 4) err = qk::launch_kernel(lut_kernel<4>(), grid, kThreads, Cfg<4>::kSmemBytes, stream, overlap, p);
-    else err = qk::launch_kernel(lut_kernel<8>(), grid, kThreads, Cfg<8>::kSmemBytes, stream, overlap, p);
+    const bool lean = lut_lean_registers(device);
+    if (bp == 1) {
+      err = qk::launch_kernel(lean ? lut_kernel<1, true>() : lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes,
+                              stream, overlap, p);
+    } else if (bp == 2) {
+      err = qk::launch_kernel(lean ? lut_kernel<2, true>() : lut_kernel<2>(), grid, kThreads, Cfg<2>::kSmemBytes,
+                              stream, overlap, p);
+    } else if (bp == 4) {
+      err = qk::launch_kernel(lean ? lut_kernel<4, true>() : lut_kernel<4>(), grid, kThreads, Cfg<4>::kSmemBytes,
+                              stream, overlap, p);
+    } else {
+      err = qk::launch_kernel(lut_kernel<8>(), grid, kThreads, Cfg<8>::kSmemBytes, stream, overlap, p);
+    }
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

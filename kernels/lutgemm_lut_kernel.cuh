@@ -286,9 +286,10 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
 // Block b runs steps [b·S/B, (b+1)·S/B) of the sequence (row tile, chunk, plane, step): stream-K at
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
-template <int BP>
-__global__ void __launch_bounds__(kThreads, BP == 8 ? LUT_MIN_BLOCKS_B8 : LUT_MIN_BLOCKS)
-    lut_gemm_kernel(const LutParams p) {
+// MIN_BLOCKS: the register budget (__launch_bounds__), LUT_MIN_BLOCKS or, for the lean instances,
+// LUT_MIN_BLOCKS_LEAN (lutgemm_tuning.h).
+template <int BP, int MIN_BLOCKS = LUT_MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
   using C = Cfg<BP>;
   constexpr int NT = C::kTables, NW = C::kWords, SW = C::kStepWords, NH = C::kSteps, EB = C::kEntryBytes;
   constexpr int S = C::kStages;

@@ -21,17 +21,19 @@ static_assert(LUT_STAGES >= 2 && LUT_STAGES <= 8, "LUT_STAGES must be 2..8");
 #endif
 static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4, "LUT_STEP_WORDS must be 1, 2 or 4");
 
-// Resident blocks per SM the LUT kernel's register allocation must allow, up to 4 columns. Shared memory
-// allows 2 at 2 or 3 stages of 4 words, so 3 does not add a block: it caps registers at 80 (no spills; 128
-// at 2), which leaves room on every SM for the small kernels that follow a matvec in the decode (norms,
-// rotary, attention, SiLU·mul) to become resident and start early. A lone matvec is 0-2 % slower at 80.
+// Resident blocks per SM the LUT kernel's register allocation must allow (shared memory allows 2 at 2 or 3
+// stages of 4 words).
 #ifndef LUT_MIN_BLOCKS
-#define LUT_MIN_BLOCKS 3  // chosen by benchmarks/bench_e2e_decode.py, BCQ q3 / q4 batch 1, H100
+#define LUT_MIN_BLOCKS 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
 #endif
 
-// The same at 8 columns, whose larger entries spill at 80 registers.
-#ifndef LUT_MIN_BLOCKS_B8
-#define LUT_MIN_BLOCKS_B8 2  // chosen by benchmarks/bench_lutgemm.py, 49152x12288 q3 batch 1, H100
+// The same for the lean instances (1-4 columns) that cards named by lut_lean_registers() in lutgemm.cu run.
+// 3 does not add a LUT block (shared memory holds 2); it caps registers at 80 (no spills; 128 at 2), which
+// leaves room on every SM for the small kernels that follow a matvec in the decode (norms, attention,
+// SiLU·mul) to become resident and start early: the H100's decode is 0.4-1.4 % faster, the H200's 0.5-2.5 %
+// slower (its matvecs, 2 % slower alone at 80 registers, weigh more there).
+#ifndef LUT_MIN_BLOCKS_LEAN
+#define LUT_MIN_BLOCKS_LEAN 3  // chosen by benchmarks/bench_e2e_decode.py, BCQ q3 / q4 batch 1, H100 and H200
 #endif
 
 // ---- the tensor-core kernel (5..8 columns of x) --------------------------------------------------

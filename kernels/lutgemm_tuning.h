@@ -31,7 +31,7 @@ static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4,
 // 3 does not add a LUT block (shared memory holds 2); it caps registers at 80 (no spills; 128 at 2), which
 // leaves room on every SM for the small kernels that follow a matvec in the decode (norms, attention,
 // SiLU·mul) to become resident and start early: the H100's decode is 0.4-1.4 % faster, the H200's 0.5-2.5 %
-// slower (its matvecs, 2 % slower alone at 80 registers, weigh more there).
+// slower (on the H100 a lone matvec is 0-2 % slower at 80 registers; not measured alone on the H200).
 #ifndef LUT_MIN_BLOCKS_LEAN
 #define LUT_MIN_BLOCKS_LEAN 3  // chosen by benchmarks/bench_e2e_decode.py, BCQ q3 / q4 batch 1, H100 and H200
 #endif

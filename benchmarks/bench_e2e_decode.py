@@ -44,6 +44,7 @@ from quantkit.formats.anyprec import AnyPrecisionTensor
 from quantkit.formats.bcq import BCQQuantizedTensor
 from quantkit.formats.packing import pack_rows
 from quantkit.formats.uniform import UniformQuantizedTensor
+from quantkit.kernels import lutgemm
 from quantkit.runtime import ops
 from quantkit.runtime.generate import FastGenerator
 from quantkit.runtime.model import DecoderConfig
@@ -140,14 +141,20 @@ def projections(model):
     return [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
 
 
-def projection_bytes(model):
-    """Bytes the decoder projections read per step, as served (any-precision: the served planes and table)."""
+def projection_bytes(model, batch):
+    """Bytes the decoder projections read per step of `batch` rows, as served (any-precision: the served planes
+    and table; BCQ with power-of-two planes, up to lutgemm.COMPACT_ALPHA_MAX_TOKENS rows: plane 0's α only)."""
     total = 0
     for m in projections(model):
         if isinstance(m, QuantLinear):
             qt = m.qtensor()
-            total += (qt.bits_read(m.bits) * m.in_features * m.out_features / 8 if m.meta["format"] == "anyprec"
-                      else qt.stored_bits() / 8)
+            if m.meta["format"] == "anyprec":
+                total += qt.bits_read(m.bits) * m.in_features * m.out_features / 8
+                continue
+            total += qt.stored_bits() / 8
+            if (m.meta["format"] == "bcq" and batch <= lutgemm.COMPACT_ALPHA_MAX_TOKENS
+                    and lutgemm.power_of_two_planes(m.alpha) is not None):
+                total -= m.alpha.numel() * m.alpha.element_size() * (m.alpha.shape[1] - 1) / m.alpha.shape[1]
         else:
             total += m.weight.numel() * m.weight.element_size()
     return total
@@ -159,7 +166,7 @@ def step_bytes(model, batch, mean_positions):
     head = model.lm_head.numel() * 2
     embed_rows = batch * cfg.hidden_size * 2
     kv = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * mean_positions * 2
-    return projection_bytes(model) + norms + head + embed_rows + kv
+    return projection_bytes(model, batch) + norms + head + embed_rows + kv
 
 
 def streaming_rates():
@@ -235,8 +242,8 @@ def run_format(fmt, model, args, results, vocab):
     if bits is not None:
         model.set_bits(bits)
     numel = sum(m.in_features * m.out_features for m in projections(model))
-    bits_per_weight = 8 * projection_bytes(model) / numel
     for batch in args.batches:
+        bits_per_weight = 8 * projection_bytes(model, batch) / numel
         generator = FastGenerator(model)
         for i, gen in enumerate(args.gen):
             prompts = prompts_for(batch, args.prompt_len, vocab, args.seed + batch)

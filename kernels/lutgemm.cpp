@@ -21,7 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "LUT-GEMM for BCQ weights (see quantkit/kernels/lutgemm.py)";
   // workspace: optional zero fp32 buffer of workspace_floats(n, k) elements, left zero (else one is zeroed per
   // call); blocks: grid cap, 0 = one wave of resident blocks (benchmarks sweep it); overlap: programmatic
-  // dependent launch on sm_90+ (grid_dependency.h), the weights' first copies overlapping the previous kernel
+  // dependent launch on sm_90+ (grid_dependency.h), the weights' first copies overlapping the previous kernel;
+  // alpha [G, q, k], or [G, 1, k] where α_i = 2^i·α_0 (lut_gemm and lut_accumulate: the LUT kernel makes α_i)
   m.def("lut_gemm", &lutgemm_lut_gemm, "out[n, k] = x[n, d] @ BCQ weight^T (+ bias), fp16", py::arg("x"),
         py::arg("qweight"), py::arg("alpha"), py::arg("offset"), py::arg("bias"), py::arg("group_size"),
         py::arg("out"), py::arg("mma_min_batch") = kMaxBatch + 1, py::arg("workspace") = py::none(),

@@ -115,10 +115,11 @@ size_t lutgemm_workspace_floats(int64_t n, int64_t k) {
 // of at least mma_min_batch columns takes the tensor-core kernel when the groups allow it.
 // ws: lutgemm_workspace_floats(n, k) zeroed floats, zero again on return. Without y (nullptr):
 // ws[n, k] += x · wᵀ in fp32, bias ignored, counters untouched. overlap: programmatic dependent
-// launches (grid_dependency.h; sm_90+ only). Returns the first launch error.
-cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, const void* offset,
-                              const void* bias, void* y, float* ws, int q, int W, int k, int G, int g, int mma_min_batch,
-                              int blocks, bool overlap, int device, cudaStream_t stream) {
+// launches (grid_dependency.h; sm_90+ only). alpha_planes: q, or 1 for compact α [G, 1, k] (lutgemm_common.cuh),
+// which keeps every launch on the LUT kernel. Returns the first launch error.
+cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, const void* alpha, int alpha_planes,
+                              const void* offset, const void* bias, void* y, float* ws, int q, int W, int k, int G,
+                              int g, int mma_min_batch, int blocks, bool overlap, int device, cudaStream_t stream) {
   using namespace lutgemm;
   static int sm_count[64] = {0};  // per device, asked once
   cudaError_t err = cudaSuccess;
@@ -137,9 +138,10 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
                                         reinterpret_cast<const uint32_t*>(qweight), static_cast<const __half*>(alpha),
                                         static_cast<const __half*>(offset), static_cast<const __half*>(bias),
                                         y ? static_cast<__half*>(y) + size_t(l) * kMaxBatch * k : nullptr,
-                                        ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g);
+                                        ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g,
+                                        alpha_planes);
     const int bp = padded_batch(nb);
-    if (nb >= mma_min_batch && mma_supported(g, G)) {
+    if (nb >= mma_min_batch && mma_supported(g, G) && alpha_planes == q) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
       err = qk::launch_kernel(mma_kernel(pm.q), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, pm);
@@ -196,9 +198,10 @@ void check_aligned(const at::Tensor& t, int bytes, const char* name) {
               "-byte aligned address (pass a fresh contiguous tensor, not an offset view)");
 }
 
-// The stored BCQ tensors of quantkit/formats/bcq.py for a [k, d] weight.
+// The stored BCQ tensors of quantkit/formats/bcq.py for a [k, d] weight; with `compact`, alpha may also be the
+// compact [G, 1, k] of power-of-two planes (lutgemm_common.cuh).
 void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::optional<at::Tensor>& offset,
-               int64_t group_size, int64_t d) {
+               int64_t group_size, int64_t d, bool compact = false) {
   QK_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kInt && qweight.dim() == 3 && qweight.is_contiguous(),
               "qweight must be a contiguous CUDA int32 tensor [q, W, k], got ", qweight.sizes(), " ",
               qweight.scalar_type(), " on ", qweight.device());
@@ -209,8 +212,11 @@ void check_bcq(const at::Tensor& qweight, const at::Tensor& alpha, const std::op
   QK_CHECK(W < (1 << 15), "in_features = ", d, " is above the kernels' limit of 2^20 columns");
   QK_CHECK(k < (int64_t(1) << 30), "out_features = ", k, " is above the kernels' limit of 2^30 rows");
   const int64_t G = (d + group_size - 1) / group_size;
-  QK_CHECK(alpha.scalar_type() == at::kHalf && alpha.is_contiguous() && alpha.sizes() == at::IntArrayRef({G, q, k}),
-              "alpha must be a contiguous fp16 tensor [G, q, k] = [", G, ", ", q, ", ", k, "], got ", alpha.sizes(), " ",
+  const bool shape_ok = alpha.sizes() == at::IntArrayRef({G, q, k}) ||
+                        (compact && alpha.sizes() == at::IntArrayRef({G, 1, k}));
+  QK_CHECK(alpha.scalar_type() == at::kHalf && alpha.is_contiguous() && shape_ok,
+              "alpha must be a contiguous fp16 tensor [G, q, k] = [", G, ", ", q, ", ", k, "]",
+              compact ? " (or [G, 1, k]: compact power-of-two planes)" : "", ", got ", alpha.sizes(), " ",
               alpha.scalar_type());
   QK_CHECK(alpha.device() == qweight.device(), "alpha is on ", alpha.device(), " but qweight on ", qweight.device());
   if (offset.has_value()) {
@@ -228,9 +234,11 @@ void check_lut_operands(const at::Tensor& x, const at::Tensor& qweight, const at
   QK_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous CUDA fp16 tensor [n, d], got ", x.sizes(), " ", x.scalar_type(), " on ", x.device());
   const int64_t d = x.size(1);
-  check_bcq(qweight, alpha, offset, group_size, d);
+  check_bcq(qweight, alpha, offset, group_size, d, /*compact=*/true);
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
   QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
+  QK_CHECK(alpha.size(1) == q || x.size(0) <= lutgemm::kCompactAlphaMaxBatch, "a compact alpha [G, 1, k] serves up to ",
+           lutgemm::kCompactAlphaMaxBatch, " rows of x, got ", x.size(0), " (pass alpha [G, q, k])");
   QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
   QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),
            "the LUT kernel addresses a weight with 32-bit offsets: q x words x out_features = ", q * W * k,
@@ -254,7 +262,8 @@ void launch_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::T
                      int64_t group_size, void* out, float* ws, int64_t mma_min_batch, int64_t blocks, bool overlap) {
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
   const cudaError_t err = lutgemm_cuda_gemm(x.data_ptr(), int(x.size(0)), int(x.size(1)), qweight.data_ptr<int>(),
-                                            alpha.data_ptr(), ptr_or_null(offset), ptr_or_null(bias), out, ws,
+                                            alpha.data_ptr(), int(alpha.size(1)), ptr_or_null(offset),
+                                            ptr_or_null(bias), out, ws,
                                             int(q), int(W), int(k), int(G), int(group_size),
                                             int(std::min<int64_t>(mma_min_batch, lutgemm::kMaxBatch + 1)),
                                             int(std::clamp<int64_t>(blocks, 0, 1 << 20)), overlap, x.device().index(),
@@ -274,7 +283,8 @@ int64_t lutgemm_workspace_floats_op(int64_t n, int64_t k) {
 
 // out[n, k] = x[n, d] @ wᵀ (+ bias), fp16 in and out, written into `out`. Launches of at least
 // mma_min_batch columns (of at most 8 each) run on the tensor-core kernel when group_size % 128 == 0
-// or there is one group per row; kMaxBatch + 1 keeps every launch on the LUT kernel.
+// or there is one group per row; kMaxBatch + 1 keeps every launch on the LUT kernel, and so does a compact
+// alpha [G, 1, k] (power-of-two planes, lutgemm_common.cuh).
 void lutgemm_lut_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& alpha,
                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                       int64_t group_size, const at::Tensor& out, int64_t mma_min_batch,

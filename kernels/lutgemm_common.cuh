@@ -6,7 +6,10 @@
 // The kernels compute y[b, r] = Σ_c w[r, c]·x[b, c] (+ bias[r]) for a BCQ weight (quantkit/formats/bcq.py)
 //   w[r, c] = Σ_i alpha[c/g, i, r]·(2·bit_i[r, c] − 1) + offset[c/g, r]
 // straight from the packed planes: qweight int32 [q, W, k] (rows fastest; byte m of word w holds the
-// 8-column sub-vector 32w+8m..32w+8m+7), alpha fp16 [G, q, k], offset fp16 [G, k].
+// 8-column sub-vector 32w+8m..32w+8m+7), alpha fp16 [G, q, k], offset fp16 [G, k]. Where α_i = 2^i·α_0 for every
+// group and row (a uniform weight's BCQ form: α_i = 2^(i−1)·s), the LUT kernel also takes alpha as [G, 1, k] for
+// up to kCompactAlphaMaxBatch columns and makes α_i from α_0: 3 of 4 planes' scales not read at q = 4 (compact
+// α; the tensor-core kernel and dequantize read the full tensor).
 //
 // The matvec kernels split the work over blocks "stream-K": every block runs a contiguous range of the
 // matrix's pipeline steps, so a row tile's columns may be spread over several blocks. Each block adds
@@ -38,11 +41,12 @@ constexpr int kRowsPerWarp = 32 * kRowsPerLane;
 constexpr int kTileRows = kWarps * kRowsPerWarp;  // 1024
 constexpr int kLutBytes = 256 * 128;              // 256 keys × (NT tables × E bytes = 128)
 constexpr int kMaxBatch = 8;
+constexpr int kCompactAlphaMaxBatch = 2;  // columns per launch that compact α serves (the LUT kernel's registers)
 
 struct LutParams {
   const __half* x;       // [nb, d] fp16, row stride d
   const uint32_t* qw;    // [q, W, k] sign planes
-  const __half* alpha;   // [G, q, k]
+  const __half* alpha;   // [G, q, k], or [G, 1, k] (compact α, LUT kernel only)
   const __half* offset;  // [G, k] or nullptr
   const __half* bias;    // [k] or nullptr
   __half* y;             // [nb, k] output, or nullptr: accumulate, the sums stay in ws (bias not applied)
@@ -51,6 +55,8 @@ struct LutParams {
   int nb, d, k, q, W;
   int x_vec;             // x rows start 16-byte aligned (d % 8 == 0 and an aligned base): vector loads
   uint32_t group_magic;  // group of word w = umulhi(2w+1, magic), see group_magic() below; 0 if one group
+  uint32_t alpha_plane_stride, alpha_group_stride;  // α[g][i][r] at g·group + i·plane + r: (k, q·k), compact (0, k)
+  uint32_t alpha_exp_mask;  // plane i scales its α by 2^(i & mask): 0, or 7 for compact α
   uint32_t pow2[32];     // pow2[i] = 2^i: shifts done as multiplies by a value the compiler cannot see (lut_gemm_kernel)
   int n_rt, n_ch;        // row tiles, chunks
   int planes;            // q, plus one "offset plane" when there is an offset

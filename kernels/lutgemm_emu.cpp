@@ -55,10 +55,11 @@ void write_file(const std::string& path, const std::vector<T>& v) {
 }
 }  // namespace emu
 
-// usage: lutgemm_emu gemm DIR n d k q g has_offset has_bias max_blocks mma_min_batch
-//        lutgemm_emu accumulate DIR n d k q g has_offset 0 max_blocks mma_min_batch
+// usage: lutgemm_emu gemm DIR n d k q g has_offset has_bias max_blocks mma_min_batch [alpha_planes]
+//        lutgemm_emu accumulate DIR n d k q g has_offset 0 max_blocks mma_min_batch [alpha_planes]
 //        lutgemm_emu dequant DIR d k q g has_offset out_bytes(2 = fp16, 3 = bf16, 4 = fp32)
-// DIR holds qweight.bin (int32 [q,W,k]), alpha.bin (fp16 [G,q,k]), offset.bin, x.bin (fp16 [n,d]),
+// DIR holds qweight.bin (int32 [q,W,k]), alpha.bin (fp16 [G,q,k], or [G,1,k] with alpha_planes 1: compact α,
+// every launch on the LUT kernel, as lutgemm.cu runs it), offset.bin, x.bin (fp16 [n,d]),
 // bias.bin; the result goes to DIR/y.bin (fp16 [n,k]), DIR/acc.bin (fp32 [n,k]: what accumulate adds to
 // the zero workspace) or DIR/w.bin ([k,d]). Output buffers start as NaN so an element the kernel skips
 // shows up.
@@ -67,13 +68,13 @@ int main(int argc, char** argv) {
   if (argc < 3) return 2;
   const std::string mode = argv[1], dir = std::string(argv[2]) + "/";
   auto arg = [&](int i) { return std::stoi(argv[i]); };
-  if ((mode == "gemm" || mode == "accumulate") && argc == 12) {
+  if ((mode == "gemm" || mode == "accumulate") && (argc == 12 || argc == 13)) {
     const bool accumulate = mode == "accumulate";
     const int n = arg(3), d = arg(4), k = arg(5), q = arg(6), g = arg(7), has_off = arg(8), has_bias = arg(9),
               max_blocks = arg(10), mma_min_batch = arg(11);
-    const int W = (d + 31) / 32, G = (d + g - 1) / g;
+    const int W = (d + 31) / 32, G = (d + g - 1) / g, alpha_planes = argc == 13 ? arg(12) : q;
     auto qw = emu::read_file<uint32_t>(dir + "qweight.bin", size_t(q) * W * k);
-    auto al = emu::read_file<__half>(dir + "alpha.bin", size_t(G) * q * k);
+    auto al = emu::read_file<__half>(dir + "alpha.bin", size_t(G) * alpha_planes * k);
     std::vector<__half> z, bias;
     if (has_off) z = emu::read_file<__half>(dir + "offset.bin", size_t(G) * k);
     if (has_bias) bias = emu::read_file<__half>(dir + "bias.bin", size_t(k));
@@ -88,8 +89,8 @@ int main(int argc, char** argv) {
                                           has_off ? z.data() : nullptr, has_bias ? bias.data() : nullptr,
                                           accumulate ? nullptr : y.data() + size_t(l) * kMaxBatch * k,
                                           ws.data() + size_t(l) * kMaxBatch * k,
-                                          counters + l * n_rt, q, W, k, G, g);
-      if (nb >= mma_min_batch && mma_supported(g, G)) {
+                                          counters + l * n_rt, q, W, k, G, g, alpha_planes);
+      if (nb >= mma_min_batch && mma_supported(g, G) && alpha_planes == q) {
         const LutParams pm = make_mma_params(p);
         const dim3 grid(lut_grid(pm, max_blocks));
         switch (q <= MMA_STATIC_Q_MAX ? q : 0) {

@@ -195,7 +195,8 @@ __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur
   const bool row_ok = row0 < k;
   const uint32_t w0 = uint32_t(cur.c) * C::kWords, j0 = uint32_t(cur.h) * C::kStepWords + phi;
   if (cur.i < p.q) {
-    const uint32_t plane = uint32_t(cur.i) * W * k + row0, scale = uint32_t(cur.i) * k + row0, group_stride = uint32_t(p.q) * k;
+    const uint32_t plane = uint32_t(cur.i) * W * k + row0, scale = uint32_t(cur.i) * p.alpha_plane_stride + row0;
+    const uint32_t group_stride = p.alpha_group_stride;
 #pragma unroll
     for (int jj = 0; jj < C::kStepWords; ++jj) {
       const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
@@ -382,13 +383,16 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
     if (unit_end && remaining > 1) load_x<BP>(p, cur.c + 1 == p.n_ch ? 0 : cur.c + 1, lane, xh);  // next unit's x
 
     if (cur.i < p.q) {
+      // compact α (up to kCompactAlphaMaxBatch columns): α_i = 2^i·α_0, exact; else 2^0
+      const float plane_scale =
+          BP <= kCompactAlphaMaxBatch ? bits_to_float((127u + (uint32_t(cur.i) & p.alpha_exp_mask)) << 23) : 1.f;
 #pragma unroll
       for (int jj = 0; jj < SW; ++jj) {
         const int j = cur.h * SW + jj;
         const uint32_t word_off = uint32_t((j + phi) & (NW - 1)) * (4 * EB);
         const uint32_t rows[4] = {w[jj].x, w[jj].y, w[jj].z, w[jj].w};
         const float2 a01 = half2_bits_to_float2(a[jj].x), a23 = half2_bits_to_float2(a[jj].y);
-        const float al[4] = {a01.x, a01.y, a23.x, a23.y};
+        const float al[4] = {a01.x * plane_scale, a01.y * plane_scale, a23.x * plane_scale, a23.y * plane_scale};
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; ++r) {
           Entry<BP> sum;

@@ -20,14 +20,19 @@ inline int max_row_tiles(int k) { return (k + kMmaTileRows - 1) / kMmaTileRows; 
 // Whether the tensor-core path can serve a weight: whole 128-column chunks per group.
 inline bool mma_supported(int group_size, int groups) { return groups == 1 || group_size % 128 == 0; }
 
+// alpha_planes: q (alpha [G, q, k]) or 1 (compact α [G, 1, k]: α_i = 2^i·α_0; the LUT kernel only)
 inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t* qw, const __half* alpha,
                                  const __half* offset, const __half* bias, __half* y, float* ws, int* counters,
-                                 int q, int W, int k, int G, int g) {
+                                 int q, int W, int k, int G, int g, int alpha_planes) {
   LutParams p{};
   p.x = x, p.qw = qw, p.alpha = alpha, p.offset = offset, p.bias = bias, p.y = y, p.ws = ws, p.counters = counters;
   p.nb = nb, p.d = d, p.k = k, p.q = q, p.W = W;
   p.x_vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   p.group_magic = group_magic(g, G);
+  const bool compact = alpha_planes == 1 && q > 1;
+  p.alpha_plane_stride = compact ? 0u : uint32_t(k);
+  p.alpha_group_stride = uint32_t(compact ? 1 : q) * uint32_t(k);
+  p.alpha_exp_mask = compact ? 7u : 0u;
   for (int i = 0; i < 32; ++i) p.pow2[i] = 1u << i;
   p.n_rt = row_tiles(k);
   const int cw = chunk_cols(padded_batch(nb)) / 32;

@@ -61,10 +61,15 @@ class FakeOps:
     def __init__(self):
         self.calls = []
         self.overlaps = []  # the overlap flag of each lut_gemm / lut_accumulate call
+        self.alpha_planes = []  # alpha.shape[1] of each lut_gemm / lut_accumulate call
 
     @staticmethod
-    def _tensor(qweight, alpha, offset, group_size, in_features):
-        return BCQQuantizedTensor(qweight=qweight, alpha=alpha, offset=offset, bits=qweight.shape[0],
+    def _tensor(qweight, alpha, offset, group_size, in_features, rows=None):
+        q = qweight.shape[0]
+        if alpha.shape[1] != q:  # compact α: plane i is plane 0 times 2^i, for a few rows of x only
+            assert alpha.shape[1] == 1 and rows is not None and rows <= lutgemm.COMPACT_ALPHA_MAX_TOKENS
+            alpha = alpha * torch.exp2(torch.arange(q, dtype=torch.float32)).view(1, q, 1).to(alpha)
+        return BCQQuantizedTensor(qweight=qweight, alpha=alpha, offset=offset, bits=q,
                                   group_size=group_size, in_features=in_features)
 
     @staticmethod
@@ -76,22 +81,24 @@ class FakeOps:
         assert x.dtype == torch.float16 and x.is_contiguous() and out.dtype == torch.float16
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
         self.overlaps.append(overlap)
+        self.alpha_planes.append(alpha.shape[1])
         if workspace is not None:
             assert workspace.dtype == torch.float32
             assert workspace.numel() >= self.workspace_floats(x.shape[0], out.shape[1])
             assert not workspace.any(), "the workspace must be zero on entry"
         self.calls.append(("lut_gemm", x.shape[0]))
-        y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1]), bias)
+        y = reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1], x.shape[0]), bias)
         out.copy_(y.to(torch.float16))
 
     def lut_accumulate(self, x, qweight, alpha, offset, group_size, acc, mma_min_batch=9, blocks=0, overlap=False):
         assert x.dtype == torch.float16 and x.is_contiguous() and acc.dtype == torch.float32
         assert mma_min_batch == lutgemm.MMA_MIN_BATCH
         self.overlaps.append(overlap)
+        self.alpha_planes.append(alpha.shape[1])
         k = qweight.shape[2]
         self.calls.append(("lut_accumulate", x.shape[0]))
         sums = acc[: x.shape[0] * k].view(x.shape[0], k)
-        sums += reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1])).float()
+        sums += reference(x, self._tensor(qweight, alpha, offset, group_size, x.shape[1], x.shape[0])).float()
 
     def dequantize(self, qweight, alpha, offset, group_size, out):
         self.calls.append(("dequantize", out.dtype))
@@ -260,6 +267,16 @@ def test_uniform_through_bcq_matches_uniform_reference(fake_ops, bits, g, sym):
         assert rel_err(y, module(x).double()) < 2e-3
 
 
+def test_uniform_matvecs_read_plane_0_alpha_up_to_two_tokens(fake_ops):
+    module = _uniform_module(bits=4, bias=False, seed=3)
+    for tokens in (1, 2, 3, 8):
+        x = torch.randn(tokens, 160)
+        assert rel_err(lutgemm.forward(module, x), module(x).double()) < 2e-3
+        assert rel_err(lutgemm.accumulate(module, x), module(x).double()) < 2e-3
+        module._lutgemm_workspace.zero_()  # as the consumer of the sums would
+    assert fake_ops.alpha_planes == [1, 1, 1, 1, 4, 4, 4, 4]
+
+
 def test_uniform_with_g_idx_falls_back(fake_ops):
     module = _uniform_module(g_idx=True)
     assert lutgemm.forward(module, torch.randn(2, 160)) is None
@@ -397,6 +414,51 @@ def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n
     assert torch.equal(acc.half(), y)  # blocks run in order here, so the same sums: rounding them is the output
 
 
+# compact α: a uniform weight's BCQ form, plane 0's α only; the same output bit for bit as with every plane's
+@pytest.mark.parametrize("mode,n,k,d,bits,g,max_blocks", [
+    ("gemm", 1, 1024, 512, 4, 128, 3),
+    ("gemm", 2, 1028, 600, 3, 64, 5),      # rows past a tile, a partial last group
+    ("gemm", 1, 2048, 300, 8, 300, 2),     # one group per row, q past 4
+    ("accumulate", 2, 1024, 512, 4, 32, 4),
+])
+def test_emulated_compact_alpha_is_exact(emulator, tmp_path, mode, n, k, d, bits, g, max_blocks):
+    bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n + bits).qtensor())
+    compact = lutgemm.power_of_two_planes(bt.alpha)
+    assert compact is not None and compact.shape == (bt.alpha.shape[0], 1, k)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(k)).half()
+    out_name, dtype = ("y.bin", np.float16) if mode == "gemm" else ("acc.bin", np.float32)
+    outputs = []
+    for alpha, planes in ((bt.alpha, []), (compact, [1])):
+        for name, t in (("qweight", bt.qweight), ("alpha", alpha), ("offset", bt.offset), ("x", x)):
+            _save(tmp_path, name, t)
+        _emulate(emulator, tmp_path, [mode, tmp_path, n, d, k, bits, g, 1, 0, max_blocks, 9, *planes])
+        outputs.append(torch.from_numpy(np.fromfile(tmp_path / out_name, dtype=dtype).reshape(n, k)))
+    assert not torch.isnan(outputs[0]).any()
+    assert torch.equal(outputs[0], outputs[1])
+    assert rel_err(outputs[1], reference(x, bt)) < TOL
+
+
+def test_power_of_two_planes_only_where_exact():
+    bt = bcq_from_uniform(_uniform_module(64, 256, 4, 64).qtensor())
+    compact = lutgemm.power_of_two_planes(bt.alpha)
+    assert compact.is_contiguous() and torch.equal(compact, bt.alpha[:, :1])
+    assert lutgemm.power_of_two_planes(make_bcq(64, 256, 4, 64, True).alpha) is None  # fitted planes
+    assert lutgemm.power_of_two_planes(bt.alpha[:, :1].contiguous()) is None  # one plane: nothing to save
+    off = bt.alpha.clone()
+    off[1, 2, 3] = off[1, 2, 3] * 1.001
+    assert lutgemm.power_of_two_planes(off) is None
+
+
+def test_matvec_alpha_is_decided_once_per_tensor_and_version():
+    bt = bcq_from_uniform(_uniform_module(64, 256, 4, 64).qtensor())
+    module, alpha = QuantLinear(bt), bt.alpha.clone()
+    first = lutgemm.matvec_alpha(module, alpha, 1)
+    assert first.shape[1] == 1 and lutgemm.matvec_alpha(module, alpha, 2) is first
+    assert lutgemm.matvec_alpha(module, alpha, lutgemm.COMPACT_ALPHA_MAX_TOKENS + 1) is alpha
+    alpha[0, 1, 0] += 1.0  # written in place: no longer power-of-two planes
+    assert lutgemm.matvec_alpha(module, alpha, 1) is alpha
+
+
 @pytest.mark.parametrize("k,d,q,g,offset,dtype", [
     (40, 100, 3, 48, True, torch.float16),    # group boundaries inside words, partial last group
     (64, 256, 2, 128, False, torch.bfloat16),
@@ -506,6 +568,21 @@ def test_dequantize_is_exact(ops, k, d, q, g, offset, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("n,k,d,bits,g", [(1, 4096, 4096, 4, 128), (2, 1028, 600, 3, 64), (1, 2048, 300, 8, 300)])
+def test_compact_alpha_is_exact(ops, n, k, d, bits, g):
+    bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n).qtensor()).to("cuda")
+    compact = lutgemm.power_of_two_planes(bt.alpha)
+    x = torch.randn(n, d, device="cuda").half()
+    outs = []
+    for alpha in (bt.alpha, compact):
+        out = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
+        ops.lut_gemm(x, bt.qweight, alpha, bt.offset, None, bt.group_size, out, 9, None, 1)  # one block: fixed order
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], reference(x, bt)) < TOL
+
+
+@gpu
 def test_errors_name_the_problem(ops):
     qt = make_bcq(64, 128, 2, 32, offset=True, device="cuda")
     x = torch.randn(1, 128, device="cuda").half()
@@ -515,7 +592,11 @@ def test_errors_name_the_problem(ops):
     with pytest.raises(RuntimeError, match="words per row"):
         ops.lut_gemm(torch.randn(1, 200, device="cuda").half(), qt.qweight, qt.alpha, qt.offset, None, 32, out)
     with pytest.raises(RuntimeError, match="alpha"):
-        ops.lut_gemm(x, qt.qweight, qt.alpha[:, :1].contiguous(), qt.offset, None, 32, out)
+        ops.lut_gemm(x, qt.qweight, qt.alpha[:1].contiguous(), qt.offset, None, 32, out)
+    x3 = torch.randn(3, 128, device="cuda").half()
+    with pytest.raises(RuntimeError, match="compact alpha"):  # plane 0's α only serves up to 2 rows
+        ops.lut_gemm(x3, qt.qweight, qt.alpha[:, :1].contiguous(), qt.offset, None, 32,
+                     torch.empty(3, 64, dtype=torch.float16, device="cuda"))
     with pytest.raises(RuntimeError, match="out must be"):
         ops.lut_gemm(x, qt.qweight, qt.alpha, qt.offset, None, 32, out[:, :32].contiguous())
     odd = make_bcq(62, 128, 2, 32, offset=False, device="cuda")

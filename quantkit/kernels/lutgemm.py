@@ -33,6 +33,10 @@ store that finish a call (~1.1-1.4 µs of a 10-20 µs call at the Llama-2-7B dec
 asks for it reads the sums and zeroes them (the fast decoder does, in the kernel that consumes them:
 runtime/ops.py).
 
+A uniform layer's BCQ form has power-of-two planes, α_i = 2^(i−1)·s. For up to COMPACT_ALPHA_MAX_TOKENS
+tokens the LUT kernel then reads only plane 0's α and makes the others (`matvec_alpha`): at q = 4, 4.25
+instead of 4.625 bits read per weight, with the same result bit for bit.
+
 On sm_90+ the matvec launches use programmatic dependent launch (kernels/overlap.py): each starts
 copying its weights while the kernel before it is still running, and reads x only after it has ended;
 a module's first call with new weights launches without it (overlap.settled).
@@ -42,7 +46,7 @@ quantkit.kernels.dispatch; both return None (-> PyTorch reference, or the caller
 the extension cannot be built or the input is not one they serve.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +67,15 @@ MATVEC_MAX_TOKENS = 8
 # tables cost 212-218 us against 150-157 us on tensor cores. 9 would turn the tensor-core kernel off.
 MMA_MIN_BATCH = 5
 
+# Most tokens for which the LUT kernel takes a compact α (kCompactAlphaMaxBatch in kernels/lutgemm_common.cuh:
+# its registers at 4 and 8 columns have no room for the plane scale).
+COMPACT_ALPHA_MAX_TOKENS = 2
+
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes
 
 _CONVERTED_ATTR = "_lutgemm_bcq"  # uniform modules: (device, BCQTensors), a plain attribute
 _WORKSPACE_ATTR = "_lutgemm_workspace"  # fp32 partial sums + tile counters, all zero between launches
+_COMPACT_ALPHA_ATTR = "_lutgemm_compact_alpha"  # (alpha, its version, alpha[:, :1] or None), a plain attribute
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,38 @@ def kept_workspace(module, device, out_features, ops):
     return ws
 
 
+def power_of_two_planes(alpha):
+    """alpha [G, q, k][:, :1] (contiguous) when every plane is plane 0 times 2^i exactly, as in a uniform
+    weight's BCQ form; else None (q = 1 included)."""
+    q = alpha.shape[1]
+    if q < 2:
+        return None
+    scales = torch.exp2(torch.arange(q, device=alpha.device, dtype=torch.float32)).view(1, q, 1)
+    if not torch.equal(alpha.float(), alpha[:, :1].float() * scales):
+        return None
+    return alpha[:, :1].contiguous()
+
+
+def _version(tensor):
+    return None if tensor.is_inference() else tensor._version  # inference tensors keep no version counter
+
+
+def matvec_alpha(module, alpha, tokens):
+    """The α the matvec kernels read for `tokens` rows of x: the compact alpha[:, :1] where the planes are
+    powers of two (`power_of_two_planes`) and tokens <= COMPACT_ALPHA_MAX_TOKENS, else `alpha`. Decided
+    once per module and α tensor (and its version); not first decided while a CUDA graph is being captured or
+    torch.compile traces (the check reads the GPU's values), which then read `alpha`."""
+    if tokens > COMPACT_ALPHA_MAX_TOKENS:
+        return alpha
+    cached = getattr(module, _COMPACT_ALPHA_ATTR, None)
+    if cached is None or cached[0] is not alpha or cached[1] != _version(alpha):
+        if torch.compiler.is_compiling() or (alpha.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return alpha
+        cached = (alpha, _version(alpha), power_of_two_planes(alpha))
+        setattr(module, _COMPACT_ALPHA_ATTR, cached)
+    return alpha if cached[2] is None else cached[2]
+
+
 def dequantize(t: BCQTensors, dtype=torch.float16, ops=None):
     """The dense weight [k, d] in `dtype`, equal to BCQQuantizedTensor.dequantize(dtype) bit for bit."""
     ops = ops or kernels()
@@ -188,8 +229,9 @@ def linear(module, x, t: BCQTensors, ops):
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], k)
     if use_matvec(tokens, k, t.in_features, t.group_size):
-        y = lut_matmul(x2, t, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops),
-                       overlapped=_overlapped(module, t)).to(x.dtype)
+        tm = replace(t, alpha=matvec_alpha(module, t.alpha, tokens))
+        y = lut_matmul(x2, tm, module.bias, ops, workspace=kept_workspace(module, x.device, k, ops),
+                       overlapped=_overlapped(module, tm)).to(x.dtype)
     else:
         bias = None if module.bias is None else module.bias.to(x.dtype)
         y = F.linear(x2, _dense_weight(module, t, x, ops), bias)
@@ -210,8 +252,9 @@ def accumulate_into_workspace(module, x, t: BCQTensors, ops):
     ws = kept_workspace(module, x.device, k, ops)
     if ws is None:
         return None
-    ops.lut_accumulate(x2.to(torch.float16).contiguous(), t.qweight, t.alpha, t.offset, t.group_size, ws,
-                       MMA_MIN_BATCH, overlap=_overlapped(module, t))
+    tm = replace(t, alpha=matvec_alpha(module, t.alpha, tokens))
+    ops.lut_accumulate(x2.to(torch.float16).contiguous(), tm.qweight, tm.alpha, tm.offset, tm.group_size, ws,
+                       MMA_MIN_BATCH, overlap=_overlapped(module, tm))
     return ws[: tokens * k].view(*x.shape[:-1], k)
 
 

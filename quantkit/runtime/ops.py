@@ -111,7 +111,8 @@ def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume, c
 @torch.library.custom_op("quantkit::lut_matvec", mutates_args=("workspace",), device_types="cuda")
 def lut_matvec(x: Tensor, qweight: Tensor, alpha: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                group_size: int, workspace: Optional[Tensor], overlap: bool) -> Tensor:
-    """x [n <= 8, d] @ BCQ weightᵀ (+ bias) -> fp16 [n, k] on the LUT kernels (kernels/lutgemm.py). workspace:
+    """x [n <= 8, d] @ BCQ weightᵀ (+ bias) -> fp16 [n, k] on the LUT kernels (kernels/lutgemm.py). alpha: [G, q, k],
+    or plane 0's [G, 1, k] for n <= 2 where the planes are powers of two (lutgemm.matvec_alpha). workspace:
     the module's zero fp32 split-K buffer, left zero (None: the launch zeroes its own)."""
     t = lutgemm.BCQTensors(qweight, alpha, offset, group_size, x.shape[-1])
     return lutgemm.lut_matmul(x, t, bias, workspace=workspace, overlapped=overlap)
@@ -190,9 +191,10 @@ def project(module, x):
             ops = _lut_served(module, x2)
             if ops is not None:
                 offset = _offset(module)
+                alpha = lutgemm.matvec_alpha(module, module.alpha, x2.shape[0])
                 workspace = lutgemm.kept_workspace(module, x.device, module.out_features, ops)
-                overlapped = overlap.enabled() and overlap.settled(module, module.qweight, module.alpha, offset)
-                y = lut_matvec(x2, module.qweight, module.alpha, offset, module.bias, module.meta["group_size"],
+                overlapped = overlap.enabled() and overlap.settled(module, module.qweight, alpha, offset)
+                y = lut_matvec(x2, module.qweight, alpha, offset, module.bias, module.meta["group_size"],
                                workspace, overlapped)
                 return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
             served = _anyprec_served(module, x2)
@@ -219,8 +221,9 @@ def project_sums(module, x):
     if workspace is None:  # first use inside a CUDA-graph capture: no kept buffer to leave the sums in
         return None
     offset = _offset(module)
-    overlapped = overlap.enabled() and overlap.settled(module, module.qweight, module.alpha, offset)
-    lut_accumulate(x2, module.qweight, module.alpha, offset, module.meta["group_size"], workspace, overlapped)
+    alpha = lutgemm.matvec_alpha(module, module.alpha, x2.shape[0])
+    overlapped = overlap.enabled() and overlap.settled(module, module.qweight, alpha, offset)
+    lut_accumulate(x2, module.qweight, alpha, offset, module.meta["group_size"], workspace, overlapped)
     return workspace[: x2.shape[0] * module.out_features].view(*x.shape[:-1], module.out_features)
 
 

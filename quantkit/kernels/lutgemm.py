@@ -68,7 +68,8 @@ MATVEC_MAX_TOKENS = 8
 MMA_MIN_BATCH = 5
 
 # Most tokens for which the LUT kernel takes a compact α (kCompactAlphaMaxBatch in kernels/lutgemm_common.cuh:
-# its registers at 4 and 8 columns have no room for the plane scale).
+# at 4 columns the plane scale makes the 80-register instance spill; from 5 the tensor-core kernel reads every
+# plane's α).
 COMPACT_ALPHA_MAX_TOKENS = 2
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequantize kernel writes

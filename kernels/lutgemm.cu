@@ -39,15 +39,17 @@ auto lut_kernel() {
   return lutgemm::lut_gemm_kernel<BP, kMinBlocks>;
 }
 
-template <int BP>
+template <int BP, bool LEAN = false>
 int lut_resident_blocks() {
   int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_kernel<BP>(), lutgemm::kThreads, lutgemm::Cfg<BP>::kSmemBytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_kernel<BP, LEAN>(), lutgemm::kThreads,
+                                                lutgemm::Cfg<BP>::kSmemBytes);
   return n;
 }
 
 // Whether `device` runs the lean LUT instances (1-4 columns): where the decode measured faster with them,
-// the H100s (lutgemm_tuning.h). Shared memory, not registers, sets their residency, so the grid is the same.
+// the H100s (lutgemm_tuning.h). With the default ring, shared memory, not registers, sets their residency, so
+// the grid is the same.
 bool lut_lean_registers(int device) {
   static std::atomic<int> known[64];  // 0 = not asked yet, 1 = no, 2 = yes
   if (device < 0 || device >= 64) return false;
@@ -86,18 +88,18 @@ auto mma_kernel(int q) {
 inline int mma_smem_bytes(int q, int planes) { return MMA_STAGES * lutgemm::mma_stage_bytes(q, planes); }
 
 // Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel, whose ring grows with the
-// planes), asked once per process (one GPU model assumed).
-int resident_blocks(int bp, int planes = 0, int q = 0) {
-  static int cached[4] = {0, 0, 0, 0};
+// planes; lean: the LUT kernel's lean instance), asked once per process (one GPU model assumed).
+int resident_blocks(int bp, int planes = 0, int q = 0, bool lean = false) {
+  static int cached[2][4] = {};
   static int cached_mma[lutgemm::kMmaMaxPlanes + 1][9] = {};
-  int& slot = bp == 0 ? cached_mma[planes][q] : cached[bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3];
+  int& slot = bp == 0 ? cached_mma[planes][q] : cached[lean ? 1 : 0][bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3];
   if (slot == 0) {
     int n = 0;
     if (bp == 0) {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(q), lutgemm::kThreads, mma_smem_bytes(q, planes));
-    } else if (bp == 1) n = lut_resident_blocks<1>();
-    else if (bp == 2) n = lut_resident_blocks<2>();
-    else if (bp == 4) n = lut_resident_blocks<4>();
+    } else if (bp == 1) n = lean ? lut_resident_blocks<1, true>() : lut_resident_blocks<1>();
+    else if (bp == 2) n = lean ? lut_resident_blocks<2, true>() : lut_resident_blocks<2>();
+    else if (bp == 4) n = lean ? lut_resident_blocks<4, true>() : lut_resident_blocks<4>();
     else n = lut_resident_blocks<8>();
     slot = n > 0 ? n : 1;
   }
@@ -129,6 +131,8 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (err != cudaSuccess) return err;
     if (device >= 0 && device < 64) sm_count[device] = sms;
   }
+  // compact α: one plane for q > 1, for up to kCompactAlphaMaxBatch columns (the op checks it first)
+  if (alpha_planes != q && (alpha_planes != 1 || n > kCompactAlphaMaxBatch)) return cudaErrorInvalidValue;
   const int launches = (n + kMaxBatch - 1) / kMaxBatch, n_rt = max_row_tiles(k);
   overlap = overlap && qk::overlap_supported<lut_gemm_kernel<1>>(device);  // one build: one answer for all
   int* counters = reinterpret_cast<int*>(ws + size_t(n) * k);  // zero bits are int 0
@@ -148,8 +152,8 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
       if (err != cudaSuccess) return err;
       continue;
     }
-    const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp));
-    const bool lean = lut_lean_registers(device);
+    const bool lean = bp <= 4 && lut_lean_registers(device);
+    const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp, 0, 0, lean));
     if (bp == 1) {
       err = qk::launch_kernel(lean ? lut_kernel<1, true>() : lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes,
                               stream, overlap, p);

@@ -73,6 +73,10 @@ int main(int argc, char** argv) {
     const int n = arg(3), d = arg(4), k = arg(5), q = arg(6), g = arg(7), has_off = arg(8), has_bias = arg(9),
               max_blocks = arg(10), mma_min_batch = arg(11);
     const int W = (d + 31) / 32, G = (d + g - 1) / g, alpha_planes = argc == 13 ? arg(12) : q;
+    if (alpha_planes != q && (alpha_planes != 1 || n > kCompactAlphaMaxBatch)) {  // as lutgemm.cu refuses it
+      std::fprintf(stderr, "compact alpha: one plane, up to %d columns\n", kCompactAlphaMaxBatch);
+      return 2;
+    }
     auto qw = emu::read_file<uint32_t>(dir + "qweight.bin", size_t(q) * W * k);
     auto al = emu::read_file<__half>(dir + "alpha.bin", size_t(G) * alpha_planes * k);
     std::vector<__half> z, bias;

@@ -415,27 +415,43 @@ def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n
 
 
 # compact α: a uniform weight's BCQ form, plane 0's α only; the same output bit for bit as with every plane's
-@pytest.mark.parametrize("mode,n,k,d,bits,g,max_blocks", [
-    ("gemm", 1, 1024, 512, 4, 128, 3),
-    ("gemm", 2, 1028, 600, 3, 64, 5),      # rows past a tile, a partial last group
-    ("gemm", 1, 2048, 300, 8, 300, 2),     # one group per row, q past 4
-    ("accumulate", 2, 1024, 512, 4, 32, 4),
+@pytest.mark.parametrize("mode,n,k,d,bits,g,max_blocks,mma_min_batch", [
+    ("gemm", 1, 1024, 512, 4, 128, 3, 9),
+    ("gemm", 2, 1028, 600, 3, 64, 5, 9),      # rows past a tile, a partial last group
+    ("gemm", 1, 2048, 300, 8, 300, 2, 9),     # one group per row, q past 4
+    ("accumulate", 2, 1024, 512, 4, 32, 4, 9),
+    ("gemm", 2, 1024, 512, 4, 128, 3, 1),     # asked for tensor cores: compact α stays on the LUT kernel
 ])
-def test_emulated_compact_alpha_is_exact(emulator, tmp_path, mode, n, k, d, bits, g, max_blocks):
+def test_emulated_compact_alpha_is_exact(emulator, tmp_path, mode, n, k, d, bits, g, max_blocks, mma_min_batch):
     bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n + bits).qtensor())
     compact = lutgemm.power_of_two_planes(bt.alpha)
     assert compact is not None and compact.shape == (bt.alpha.shape[0], 1, k)
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(k)).half()
     out_name, dtype = ("y.bin", np.float16) if mode == "gemm" else ("acc.bin", np.float32)
     outputs = []
-    for alpha, planes in ((bt.alpha, []), (compact, [1])):
+    for alpha, planes, mma in ((bt.alpha, [], 9), (compact, [1], mma_min_batch)):
         for name, t in (("qweight", bt.qweight), ("alpha", alpha), ("offset", bt.offset), ("x", x)):
             _save(tmp_path, name, t)
-        _emulate(emulator, tmp_path, [mode, tmp_path, n, d, k, bits, g, 1, 0, max_blocks, 9, *planes])
+        _emulate(emulator, tmp_path, [mode, tmp_path, n, d, k, bits, g, 1, 0, max_blocks, mma, *planes])
         outputs.append(torch.from_numpy(np.fromfile(tmp_path / out_name, dtype=dtype).reshape(n, k)))
     assert not torch.isnan(outputs[0]).any()
     assert torch.equal(outputs[0], outputs[1])
     assert rel_err(outputs[1], reference(x, bt)) < TOL
+
+
+def test_emulated_compact_alpha_refused_past_two_rows(emulator, tmp_path):
+    bt = bcq_from_uniform(_uniform_module(64, 128, 4, 64).qtensor())
+    for name, t in (("qweight", bt.qweight), ("alpha", bt.alpha[:, :1].contiguous()), ("offset", bt.offset),
+                    ("x", torch.randn(3, 128).half())):
+        _save(tmp_path, name, t)
+    args = ["gemm", tmp_path, 3, 128, 64, 4, 64, 1, 0, 1, 9, 1]
+    res = subprocess.run([str(emulator), *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "compact alpha" in res.stderr
+
+
+def test_compact_alpha_rows_agree_with_the_kernel_header():
+    header = (build.SOURCE_DIR / "lutgemm_common.cuh").read_text()
+    assert f"constexpr int kCompactAlphaMaxBatch = {lutgemm.COMPACT_ALPHA_MAX_TOKENS};" in header
 
 
 def test_power_of_two_planes_only_where_exact():
@@ -573,12 +589,15 @@ def test_compact_alpha_is_exact(ops, n, k, d, bits, g):
     bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n).qtensor()).to("cuda")
     compact = lutgemm.power_of_two_planes(bt.alpha)
     x = torch.randn(n, d, device="cuda").half()
-    outs = []
+    outs, sums = [], []
     for alpha in (bt.alpha, compact):
         out = torch.full((n, k), float("nan"), dtype=torch.float16, device="cuda")
         ops.lut_gemm(x, bt.qweight, alpha, bt.offset, None, bt.group_size, out, 9, None, 1)  # one block: fixed order
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+        acc = torch.zeros(n * k, dtype=torch.float32, device="cuda")
+        ops.lut_accumulate(x, bt.qweight, alpha, bt.offset, bt.group_size, acc, 9, 1)
+        sums.append(acc)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(sums[0], sums[1])
     assert rel_err(outs[1], reference(x, bt)) < TOL
 
 

@@ -46,6 +46,7 @@ quantkit.kernels.dispatch; both return None (-> PyTorch reference, or the caller
 the extension cannot be built or the input is not one they serve.
 """
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -76,7 +77,7 @@ DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the dequan
 
 _CONVERTED_ATTR = "_lutgemm_bcq"  # uniform modules: (device, BCQTensors), a plain attribute
 _WORKSPACE_ATTR = "_lutgemm_workspace"  # fp32 partial sums + tile counters, all zero between launches
-_COMPACT_ALPHA_ATTR = "_lutgemm_compact_alpha"  # (alpha, its version, alpha[:, :1] or None), a plain attribute
+_COMPACT_ALPHA_ATTR = "_lutgemm_compact_alpha"  # (key of alpha, alpha[:, :1] or None), a plain attribute
 
 
 @dataclass(frozen=True)
@@ -159,24 +160,28 @@ def power_of_two_planes(alpha):
     return alpha[:, :1].contiguous()
 
 
-def _version(tensor):
-    return None if tensor.is_inference() else tensor._version  # inference tensors keep no version counter
+def _alpha_key(alpha):
+    # inference tensors keep no version counter
+    return alpha.data_ptr(), tuple(alpha.shape), None if alpha.is_inference() else alpha._version
 
 
 def matvec_alpha(module, alpha, tokens):
     """The α the matvec kernels read for `tokens` rows of x: the compact alpha[:, :1] where the planes are
     powers of two (`power_of_two_planes`) and tokens <= COMPACT_ALPHA_MAX_TOKENS, else `alpha`. Decided
-    once per module and α tensor (and its version); not first decided while a CUDA graph is being captured or
-    torch.compile traces (the check reads the GPU's values), which then read `alpha`."""
+    once per module and α tensor (its storage, shape and version); not first decided while a CUDA graph is
+    being captured or torch.compile traces (the check reads the GPU's values), which then read `alpha`.
+    Not seen, as for overlap.settled: writes that bypass the version counter (through `.data`, into an
+    inference tensor); after one, delete the module's `_lutgemm_compact_alpha`. A captured graph reads the
+    compact copy it was captured with."""
     if tokens > COMPACT_ALPHA_MAX_TOKENS:
         return alpha
     cached = getattr(module, _COMPACT_ALPHA_ATTR, None)
-    if cached is None or cached[0] is not alpha or cached[1] != _version(alpha):
+    if cached is None or cached[0][0]() is not alpha or cached[0][1] != _alpha_key(alpha):
         if torch.compiler.is_compiling() or (alpha.is_cuda and torch.cuda.is_current_stream_capturing()):
             return alpha
-        cached = (alpha, _version(alpha), power_of_two_planes(alpha))
+        cached = ((weakref.ref(alpha), _alpha_key(alpha)), power_of_two_planes(alpha))
         setattr(module, _COMPACT_ALPHA_ATTR, cached)
-    return alpha if cached[2] is None else cached[2]
+    return alpha if cached[1] is None else cached[1]
 
 
 def dequantize(t: BCQTensors, dtype=torch.float16, ops=None):

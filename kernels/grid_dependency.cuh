@@ -34,23 +34,32 @@ __device__ __forceinline__ void allow_next_grid() {
 }
 
 #ifndef QK_HOST_EMU
+// ask(device), a yes / no property of the device, asked once per device and kept in `known` (one array per
+// question); devices from 64 on are answered no.
+template <class Ask>
+bool once_per_device(std::atomic<int> (&known)[64], int device, Ask ask) {
+  if (device < 0 || device >= 64) return false;
+  int state = known[device].load(std::memory_order_relaxed);  // 0 = not asked yet, 1 = no, 2 = yes
+  if (state == 0) {
+    state = ask(device) ? 2 : 1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
+}
+
 // Whether Kernel may be launched with overlap on `device`: the GPU is sm_90+ and the kernel was compiled
 // for it (PTX 9.0+: a build for an older architecture, JIT-compiled on a Hopper, has no wait in it and
 // would read x early). Asked once per kernel and device.
 template <auto Kernel>
 bool overlap_supported(int device) {
-  static std::atomic<int> known[64];  // 0 = not asked yet, 1 = no, 2 = yes
-  if (device < 0 || device >= 64) return false;
-  int state = known[device].load(std::memory_order_relaxed);
-  if (state == 0) {
+  static std::atomic<int> known[64];
+  return once_per_device(known, device, [](int dev) {
     int major = 0;
     cudaFuncAttributes attributes{};
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
                     cudaFuncGetAttributes(&attributes, Kernel) == cudaSuccess;
-    state = ok && major >= 9 && attributes.ptxVersion >= 90 ? 2 : 1;
-    known[device].store(state, std::memory_order_relaxed);
-  }
-  return state == 2;
+    return ok && major >= 9 && attributes.ptxVersion >= 90;
+  });
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when

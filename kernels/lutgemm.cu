@@ -51,16 +51,11 @@ int lut_resident_blocks() {
 // the H100s (lutgemm_tuning.h). With the default ring, shared memory, not registers, sets their residency, so
 // the grid is the same.
 bool lut_lean_registers(int device) {
-  static std::atomic<int> known[64];  // 0 = not asked yet, 1 = no, 2 = yes
-  if (device < 0 || device >= 64) return false;
-  int state = known[device].load(std::memory_order_relaxed);
-  if (state == 0) {
+  static std::atomic<int> known[64];
+  return qk::once_per_device(known, device, [](int dev) {
     cudaDeviceProp prop{};
-    const bool named = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
-    state = named && std::strstr(prop.name, "H100") != nullptr ? 2 : 1;
-    known[device].store(state, std::memory_order_relaxed);
-  }
-  return state == 2;
+    return cudaGetDeviceProperties(&prop, dev) == cudaSuccess && std::strstr(prop.name, "H100") != nullptr;
+  });
 }
 
 // The tensor-core kernel, its dynamic shared memory (the ring; it depends on q) allowed on the current

@@ -161,8 +161,7 @@ def power_of_two_planes(alpha):
 
 
 def _alpha_key(alpha):
-    # inference tensors keep no version counter
-    return alpha.data_ptr(), tuple(alpha.shape), None if alpha.is_inference() else alpha._version
+    return alpha.data_ptr(), tuple(alpha.shape), overlap.version(alpha)
 
 
 def matvec_alpha(module, alpha, tokens):

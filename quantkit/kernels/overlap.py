@@ -48,8 +48,9 @@ def enabled():
 _last_weights = weakref.WeakKeyDictionary()
 
 
-def _version(tensor):
-    return None if tensor.is_inference() else tensor._version  # inference tensors keep no version counter
+def version(tensor):
+    """The tensor's version counter (bumped by in-place writes), or None for an inference tensor, which keeps none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def settled(owner, *weights):
@@ -60,9 +61,9 @@ def settled(owner, *weights):
     weights = [w for w in weights if w is not None]
     last = _last_weights.get(owner)
     if last is not None and len(last) == len(weights) and all(
-            ref() is w and version == _version(w) for (ref, version), w in zip(last, weights)):
+            ref() is w and seen == version(w) for (ref, seen), w in zip(last, weights)):
         return True
-    _last_weights[owner] = tuple((weakref.ref(w), _version(w)) for w in weights)
+    _last_weights[owner] = tuple((weakref.ref(w), version(w)) for w in weights)
     return False
 
 

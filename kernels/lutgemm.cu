@@ -29,22 +29,40 @@
 #include <optional>
 
 namespace {
-// The LUT kernel for BP padded columns (lean: the LUT_MIN_BLOCKS_LEAN register budget), its dynamic shared
-// memory allowed on the current device.
-template <int BP, bool LEAN = false>
-auto lut_kernel() {
+using LutKernel = void (*)(lutgemm::LutParams);
+
+// The LUT kernel for BP padded columns (lean: the LUT_MIN_BLOCKS_LEAN register budget; compact: α [G, 1, k]),
+// its dynamic shared memory allowed on the current device.
+template <int BP, bool LEAN = false, bool COMPACT = false>
+LutKernel lut_kernel() {
   constexpr int kMinBlocks = LEAN ? LUT_MIN_BLOCKS_LEAN : LUT_MIN_BLOCKS;
   // a failure shows at launch
-  qk::configure_once<lutgemm::lut_gemm_kernel<BP, kMinBlocks>>(lutgemm::Cfg<BP>::kSmemBytes, -1);
-  return lutgemm::lut_gemm_kernel<BP, kMinBlocks>;
+  qk::configure_once<lutgemm::lut_gemm_kernel<BP, kMinBlocks, COMPACT>>(lutgemm::Cfg<BP>::kSmemBytes, -1);
+  return lutgemm::lut_gemm_kernel<BP, kMinBlocks, COMPACT>;
 }
 
-template <int BP, bool LEAN = false>
-int lut_resident_blocks() {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_kernel<BP, LEAN>(), lutgemm::kThreads,
-                                                lutgemm::Cfg<BP>::kSmemBytes);
-  return n;
+template <int BP>
+LutKernel lut_kernel_for(bool lean, bool compact) {
+  if constexpr (BP <= lutgemm::kCompactAlphaMaxBatch) {
+    if (compact) return lean ? lut_kernel<BP, true, true>() : lut_kernel<BP, false, true>();
+  }
+  if constexpr (BP == 8) return lut_kernel<8>();  // no lean instance: 8 columns need the registers
+  else return lean ? lut_kernel<BP, true>() : lut_kernel<BP>();
+}
+
+// The instance a launch of bp padded columns runs (compact only up to kCompactAlphaMaxBatch: checked first).
+LutKernel lut_instance(int bp, bool lean, bool compact) {
+  switch (bp) {
+    case 1: return lut_kernel_for<1>(lean, compact);
+    case 2: return lut_kernel_for<2>(lean, compact);
+    case 4: return lut_kernel_for<4>(lean, compact);
+    default: return lut_kernel_for<8>(lean, compact);
+  }
+}
+
+int lut_smem_bytes(int bp) {
+  using lutgemm::Cfg;
+  return bp == 1 ? Cfg<1>::kSmemBytes : bp == 2 ? Cfg<2>::kSmemBytes : bp == 4 ? Cfg<4>::kSmemBytes : Cfg<8>::kSmemBytes;
 }
 
 // Whether `device` runs the lean LUT instances (1-4 columns): where the decode measured faster with them,
@@ -82,20 +100,27 @@ auto mma_kernel(int q) {
 
 inline int mma_smem_bytes(int q, int planes) { return MMA_STAGES * lutgemm::mma_stage_bytes(q, planes); }
 
-// Resident blocks per SM of each kernel (bp = 0: the tensor-core kernel, whose ring grows with the
-// planes; lean: the LUT kernel's lean instance), asked once per process (one GPU model assumed).
-int resident_blocks(int bp, int planes = 0, int q = 0, bool lean = false) {
-  static int cached[2][4] = {};
-  static int cached_mma[lutgemm::kMmaMaxPlanes + 1][9] = {};
-  int& slot = bp == 0 ? cached_mma[planes][q] : cached[lean ? 1 : 0][bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3];
+// Resident blocks per SM of the tensor-core kernel, whose ring grows with the planes, asked once per process
+// (one GPU model assumed).
+int mma_resident_blocks(int planes, int q) {
+  static int cached[lutgemm::kMmaMaxPlanes + 1][9] = {};
+  int& slot = cached[planes][q];
   if (slot == 0) {
     int n = 0;
-    if (bp == 0) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(q), lutgemm::kThreads, mma_smem_bytes(q, planes));
-    } else if (bp == 1) n = lean ? lut_resident_blocks<1, true>() : lut_resident_blocks<1>();
-    else if (bp == 2) n = lean ? lut_resident_blocks<2, true>() : lut_resident_blocks<2>();
-    else if (bp == 4) n = lean ? lut_resident_blocks<4, true>() : lut_resident_blocks<4>();
-    else n = lut_resident_blocks<8>();
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_kernel(q), lutgemm::kThreads, mma_smem_bytes(q, planes));
+    slot = n > 0 ? n : 1;
+  }
+  return slot;
+}
+
+// Resident blocks per SM of the LUT instance lut_instance(bp, lean, compact), asked once per process.
+int lut_resident_blocks(int bp, bool lean, bool compact) {
+  static int cached[2][2][4] = {};
+  int& slot = cached[lean ? 1 : 0][compact ? 1 : 0][bp == 1 ? 0 : bp == 2 ? 1 : bp == 4 ? 2 : 3];
+  if (slot == 0) {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_instance(bp, lean, compact), lutgemm::kThreads,
+                                                  lut_smem_bytes(bp));
     slot = n > 0 ? n : 1;
   }
   return slot;
@@ -142,25 +167,14 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     const int bp = padded_batch(nb);
     if (nb >= mma_min_batch && mma_supported(g, G) && alpha_planes == q) {
       const LutParams pm = make_mma_params(p);
-      const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * resident_blocks(0, pm.planes, pm.q));
+      const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * mma_resident_blocks(pm.planes, pm.q));
       err = qk::launch_kernel(mma_kernel(pm.q), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, pm);
       if (err != cudaSuccess) return err;
       continue;
     }
-    const bool lean = bp <= 4 && lut_lean_registers(device);
-    const int grid = lut_grid(p, blocks > 0 ? blocks : sms * resident_blocks(bp, 0, 0, lean));
-    if (bp == 1) {
-      err = qk::launch_kernel(lean ? lut_kernel<1, true>() : lut_kernel<1>(), grid, kThreads, Cfg<1>::kSmemBytes,
-                              stream, overlap, p);
-    } else if (bp == 2) {
-      err = qk::launch_kernel(lean ? lut_kernel<2, true>() : lut_kernel<2>(), grid, kThreads, Cfg<2>::kSmemBytes,
-                              stream, overlap, p);
-    } else if (bp == 4) {
-      err = qk::launch_kernel(lean ? lut_kernel<4, true>() : lut_kernel<4>(), grid, kThreads, Cfg<4>::kSmemBytes,
-                              stream, overlap, p);
-    } else {
-      err = qk::launch_kernel(lut_kernel<8>(), grid, kThreads, Cfg<8>::kSmemBytes, stream, overlap, p);
-    }
+    const bool lean = bp <= 4 && lut_lean_registers(device), compact = p.compact_alpha != 0;
+    const int grid = lut_grid(p, blocks > 0 ? blocks : sms * lut_resident_blocks(bp, lean, compact));
+    err = qk::launch_kernel(lut_instance(bp, lean, compact), grid, kThreads, lut_smem_bytes(bp), stream, overlap, p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -107,9 +107,10 @@ int main(int argc, char** argv) {
         continue;
       }
       const dim3 grid(lut_grid(p, max_blocks));
+      const bool compact = p.compact_alpha != 0;
       switch (padded_batch(nb)) {
-        case 1: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<1>(p); }); break;
-        case 2: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<2>(p); }); break;
+        case 1: emu::launch(grid, kThreads, [&] { compact ? lut_gemm_kernel<1, LUT_MIN_BLOCKS, true>(p) : lut_gemm_kernel<1>(p); }); break;
+        case 2: emu::launch(grid, kThreads, [&] { compact ? lut_gemm_kernel<2, LUT_MIN_BLOCKS, true>(p) : lut_gemm_kernel<2>(p); }); break;
         case 4: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<4>(p); }); break;
         default: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<8>(p); }); break;
       }

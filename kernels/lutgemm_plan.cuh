@@ -32,7 +32,7 @@ inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t*
   const bool compact = alpha_planes == 1 && q > 1;
   p.alpha_plane_stride = compact ? 0u : uint32_t(k);
   p.alpha_group_stride = uint32_t(compact ? 1 : q) * uint32_t(k);
-  p.alpha_exp_mask = compact ? 7u : 0u;
+  p.compact_alpha = compact;
   for (int i = 0; i < 32; ++i) p.pow2[i] = 1u << i;
   p.n_rt = row_tiles(k);
   const int cw = chunk_cols(padded_batch(nb)) / 32;

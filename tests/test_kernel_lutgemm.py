@@ -414,7 +414,10 @@ def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n
     assert torch.equal(acc.half(), y)  # blocks run in order here, so the same sums: rounding them is the output
 
 
-# compact α: a uniform weight's BCQ form, plane 0's α only; the same output bit for bit as with every plane's
+# compact α: a uniform weight's BCQ form, plane 0's α only. The kernel scales a step's sum by 2^i instead of each
+# word's α, so the fp32 sums round differently: they agree with the full α's to fp32 rounding (a wrong plane scale
+# is off by a whole plane's share)
+COMPACT_TOL = 1e-5
 @pytest.mark.parametrize("mode,n,k,d,bits,g,max_blocks,mma_min_batch", [
     ("gemm", 1, 1024, 512, 4, 128, 3, 9),
     ("gemm", 2, 1028, 600, 3, 64, 5, 9),      # rows past a tile, a partial last group
@@ -422,7 +425,8 @@ def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n
     ("accumulate", 2, 1024, 512, 4, 32, 4, 9),
     ("gemm", 2, 1024, 512, 4, 128, 3, 1),     # asked for tensor cores: compact α stays on the LUT kernel
 ])
-def test_emulated_compact_alpha_is_exact(emulator, tmp_path, mode, n, k, d, bits, g, max_blocks, mma_min_batch):
+def test_emulated_compact_alpha_matches_full_alpha(emulator, tmp_path, mode, n, k, d, bits, g, max_blocks,
+                                                   mma_min_batch):
     bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n + bits).qtensor())
     compact = lutgemm.power_of_two_planes(bt.alpha)
     assert compact is not None and compact.shape == (bt.alpha.shape[0], 1, k)
@@ -435,7 +439,8 @@ def test_emulated_compact_alpha_is_exact(emulator, tmp_path, mode, n, k, d, bits
         _emulate(emulator, tmp_path, [mode, tmp_path, n, d, k, bits, g, 1, 0, max_blocks, mma, *planes])
         outputs.append(torch.from_numpy(np.fromfile(tmp_path / out_name, dtype=dtype).reshape(n, k)))
     assert not torch.isnan(outputs[0]).any()
-    assert torch.equal(outputs[0], outputs[1])
+    # fp16 outputs: rounding the two fp32 sums may land one ulp apart
+    assert rel_err(outputs[1], outputs[0].double()) < (COMPACT_TOL if mode == "accumulate" else 1e-3)
     assert rel_err(outputs[1], reference(x, bt)) < TOL
 
 
@@ -585,7 +590,7 @@ def test_dequantize_is_exact(ops, k, d, q, g, offset, dtype):
 
 @gpu
 @pytest.mark.parametrize("n,k,d,bits,g", [(1, 4096, 4096, 4, 128), (2, 1028, 600, 3, 64), (1, 2048, 300, 8, 300)])
-def test_compact_alpha_is_exact(ops, n, k, d, bits, g):
+def test_compact_alpha_matches_full_alpha(ops, n, k, d, bits, g):
     bt = bcq_from_uniform(_uniform_module(k, d, bits, g, seed=n).qtensor()).to("cuda")
     compact = lutgemm.power_of_two_planes(bt.alpha)
     x = torch.randn(n, d, device="cuda").half()
@@ -597,7 +602,7 @@ def test_compact_alpha_is_exact(ops, n, k, d, bits, g):
         acc = torch.zeros(n * k, dtype=torch.float32, device="cuda")
         ops.lut_accumulate(x, bt.qweight, alpha, bt.offset, bt.group_size, acc, 9, 1)
         sums.append(acc)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(sums[0], sums[1])
+    assert rel_err(sums[1], sums[0].double()) < COMPACT_TOL and rel_err(outs[1], outs[0].double()) < 1e-3
     assert rel_err(outs[1], reference(x, bt)) < TOL
 
 

@@ -35,7 +35,7 @@ runtime/ops.py).
 
 A uniform layer's BCQ form has power-of-two planes, α_i = 2^(i−1)·s. For up to COMPACT_ALPHA_MAX_TOKENS
 tokens the LUT kernel then reads only plane 0's α and makes the others (`matvec_alpha`): at q = 4, 4.25
-instead of 4.625 bits read per weight, with the same result bit for bit.
+instead of 4.625 bits read per weight; the fp32 sums agree with the full α's to rounding (docs/lutgemm-kernel.md).
 
 On sm_90+ the matvec launches use programmatic dependent launch (kernels/overlap.py): each starts
 copying its weights while the kernel before it is still running, and reads x only after it has ended;

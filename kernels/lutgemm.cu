@@ -62,7 +62,10 @@ LutKernel lut_instance(int bp, bool lean, bool compact) {
 
 int lut_smem_bytes(int bp) {
   using lutgemm::Cfg;
-  return bp == 1 ? Cfg<1>::kSmemBytes : bp == 2 ? Cfg<2>::kSmemBytes : bp == 4 ? Cfg<4>::kSmemBytes : Cfg<8>::kSmemBytes;
+  return bp == 1   ? Cfg<1>::kSmemBytes
+         : bp == 2 ? Cfg<2>::kSmemBytes
+         : bp == 4 ? Cfg<4>::kSmemBytes
+                   : Cfg<8>::kSmemBytes;
 }
 
 // Whether `device` runs the lean LUT instances (1-4 columns): where the decode measured faster with them,

@@ -107,12 +107,13 @@ int main(int argc, char** argv) {
         continue;
       }
       const dim3 grid(lut_grid(p, max_blocks));
-      const bool compact = p.compact_alpha != 0;
+      const bool compact = p.compact_alpha != 0;  // the instance lutgemm.cu launches for it
+      auto run = [&](void (*kernel)(LutParams)) { emu::launch(grid, kThreads, [&] { kernel(p); }); };
       switch (padded_batch(nb)) {
-        case 1: emu::launch(grid, kThreads, [&] { compact ? lut_gemm_kernel<1, LUT_MIN_BLOCKS, true>(p) : lut_gemm_kernel<1>(p); }); break;
-        case 2: emu::launch(grid, kThreads, [&] { compact ? lut_gemm_kernel<2, LUT_MIN_BLOCKS, true>(p) : lut_gemm_kernel<2>(p); }); break;
-        case 4: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<4>(p); }); break;
-        default: emu::launch(grid, kThreads, [&] { lut_gemm_kernel<8>(p); }); break;
+        case 1: run(compact ? lut_gemm_kernel<1, LUT_MIN_BLOCKS, true> : lut_gemm_kernel<1>); break;
+        case 2: run(compact ? lut_gemm_kernel<2, LUT_MIN_BLOCKS, true> : lut_gemm_kernel<2>); break;
+        case 4: run(lut_gemm_kernel<4>); break;
+        default: run(lut_gemm_kernel<8>); break;
       }
     }
     if (accumulate) {  // the sums stay; the counters must not have moved

@@ -30,6 +30,7 @@ from quantkit.runtime import QuantLinear
 
 EMULATOR = build.SOURCE_DIR / "lutgemm_emu.cpp"  # the kernel headers under their CPU emulation
 TOL = 2e-3  # ‖y − y_ref‖ / ‖y_ref‖ against the fp64 reference (the accuracy target)
+COMPACT_TOL = 1e-5  # compact α's fp32 sums against the full α's (the same terms, summed in another order)
 
 
 def make_bcq(k, d, q, g, offset, seed=0, device="cpu"):
@@ -415,9 +416,8 @@ def test_emulated_accumulate_is_the_output_before_rounding(emulator, tmp_path, n
 
 
 # compact α: a uniform weight's BCQ form, plane 0's α only. The kernel scales a step's sum by 2^i instead of each
-# word's α, so the fp32 sums round differently: they agree with the full α's to fp32 rounding (a wrong plane scale
-# is off by a whole plane's share)
-COMPACT_TOL = 1e-5
+# word's α, so the fp32 sums round differently: they agree with the full α's to fp32 rounding (COMPACT_TOL; a wrong
+# plane scale is off by a whole plane's share)
 @pytest.mark.parametrize("mode,n,k,d,bits,g,max_blocks,mma_min_batch", [
     ("gemm", 1, 1024, 512, 4, 128, 3, 9),
     ("gemm", 2, 1028, 600, 3, 64, 5, 9),      # rows past a tile, a partial last group

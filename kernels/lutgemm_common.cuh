@@ -60,7 +60,7 @@ struct LutParams {
   uint32_t pow2[32];     // pow2[i] = 2^i: shifts done as multiplies by a value the compiler cannot see (lut_gemm_kernel)
   int n_rt, n_ch;        // row tiles, chunks
   int planes;            // q, plus one "offset plane" when there is an offset
-  long long steps;       // n_rt · n_ch · planes · NH: the pipeline steps of the whole matrix
+  long long steps;       // n_rt · n_ch · (q · NH + offset steps): the pipeline steps of the whole matrix
 };
 
 // floor(w / gw) for gw = g/32 words per group, as umulhi(2w+1, ceil(2^32 / (2gw))): floor((2w+1)/(2gw))

@@ -5,7 +5,8 @@
 // the 256 keys, so one shared-memory read replaces 8 multiply-adds; a word of a plane is 4 keys.
 //
 // Work split: a "unit" is a tile of 1024 rows × one chunk of NT sub-vectors (NT = 8..32); a unit is
-// q (+1 with an offset) planes of NH pipeline steps each.
+// q planes of NH pipeline steps each, then (with an offset) the offset plane: one step where the chunk's z fit in a
+// stage (kOffsetSteps), else NH.
 //
 //   columns ─────────────────────────────────────────────►  (chunk = NT·8 columns = NT/4 words)
 //   rows  ┌──────────┬──────────┬──────────┬─────┐
@@ -60,6 +61,10 @@ struct Cfg {
   static constexpr int kChunkCols = 32 * kWords;               // 256, 256, 128, 64
   static constexpr int kStepWords = kWords < LUT_STEP_WORDS ? kWords : LUT_STEP_WORDS;  // SW: words per step
   static constexpr int kSteps = kWords / kStepWords;           // NH: steps per (chunk, plane)
+  // steps of the offset plane per chunk: one where a stage's word slots (16 bytes a word) hold the chunk's z
+  // (8 bytes a word)
+  static constexpr bool kOffsetOneStep = LUT_OFFSET_ONE_STEP && kWords == 2 * kStepWords;
+  static constexpr int kOffsetSteps = kOffsetOneStep ? 1 : kSteps;
   static constexpr int kPieces = kEntryBytes / 4;              // builder lanes per entry (4 bytes each)
   static constexpr int kStages = LUT_STAGES;                   // S: ring stages, S - 1 steps in flight
   static constexpr int kStageBytes = kStepWords * kThreads * (16 + 8);  // words + α of one step, all lanes
@@ -167,8 +172,8 @@ struct Cursor {
 };
 
 template <int BP>
-__device__ __forceinline__ void advance(Cursor& cur, int planes, int n_ch) {
-  if (++cur.h < Cfg<BP>::kSteps) return;
+__device__ __forceinline__ void advance(Cursor& cur, int q, int planes, int n_ch) {
+  if (++cur.h < (cur.i < q ? Cfg<BP>::kSteps : Cfg<BP>::kOffsetSteps)) return;
   cur.h = 0;
   if (++cur.i < planes) return;
   cur.i = 0;
@@ -203,6 +208,14 @@ __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur
       const bool ok = row_ok && w < W;
       copy_async<16>(st.w + jj * kThreads + tid, p.qw + (ok ? plane + w * k : 0u), ok);
       copy_async<8>(st.a + jj * kThreads + tid, p.alpha + (ok ? scale + word_group(w, p.group_magic) * group_stride : 0u), ok);
+    }
+  } else if constexpr (C::kOffsetOneStep) {  // the chunk's z, two words to a 16-byte word slot
+#pragma unroll
+    for (int u = 0; u < C::kWords; ++u) {
+      const uint32_t w = w0 + ((phi + uint32_t(u)) & (C::kWords - 1));
+      const bool ok = row_ok && w < W;
+      copy_async<8>(reinterpret_cast<uint2*>(st.w + (u >> 1) * kThreads + tid) + (u & 1),
+                    p.offset + (ok ? row0 + word_group(w, p.group_magic) * k : 0u), ok);
     }
   } else {  // the offset plane reads no sign words
 #pragma unroll
@@ -278,6 +291,22 @@ __device__ __forceinline__ void build_tables(unsigned char* lut, float* tsum, co
   }
 }
 
+// The offset term of word wl of the chunk for this lane's 4 rows: acc[r][b] += z[r] · Σ_{the word's columns} x_b
+// (tsum holds the column sums of each 8-column table).
+template <int BP>
+__device__ __forceinline__ void add_offset_word(float (&acc)[kRowsPerLane][BP], uint2 zbits, int wl,
+                                                const float* tsum) {
+  const float2 z01 = half2_bits_to_float2(zbits.x), z23 = half2_bits_to_float2(zbits.y);
+  const float z[4] = {z01.x, z01.y, z23.x, z23.y};
+#pragma unroll
+  for (int b = 0; b < BP; ++b) {
+    const float xs = tsum[(4 * wl) * BP + b] + tsum[(4 * wl + 1) * BP + b] + tsum[(4 * wl + 2) * BP + b] +
+                     tsum[(4 * wl + 3) * BP + b];
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; ++r) acc[r][b] = fmaf(z[r], xs, acc[r][b]);
+  }
+}
+
 // ---- the matvec kernel ---------------------------------------------------------------------------
 
 // grid: min(steps, SMs × resident blocks); block: kThreads; dynamic shared memory Cfg<BP>::kSmemBytes.
@@ -330,8 +359,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
   for (int m = 0; m < 4; ++m) byte_off[m] = ((m + lane) & 3) * EB;
   const int planes = p.planes;
   long long remaining = s1 - s0, to_issue = s1 - s0;
-  const long long unit = s0 / (planes * NH);
-  const int in_unit = int(s0 % (planes * NH));
+  const int unit_steps = p.q * NH + (planes - p.q) * C::kOffsetSteps;
+  const long long unit = s0 / unit_steps;
+  const int in_unit = int(s0 % unit_steps);  // the offset plane's steps come last
   Cursor ld{int(unit / p.n_ch), int(unit % p.n_ch), in_unit / NH, in_unit % NH};
   Cursor cur = ld;
   bool first = true;  // the first step builds its unit's tables even when it starts mid-unit
@@ -348,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
   for (int s = 0; s < S - 1; ++s) {
     if (to_issue > 0) {
       issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(s), tid);
-      advance<BP>(ld, planes, p.n_ch);
+      advance<BP>(ld, p.q, planes, p.n_ch);
       --to_issue;
     }
     commit_async();
@@ -363,13 +393,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
     const Stage st = stage(slot);
 #pragma unroll
     for (int jj = 0; jj < SW; ++jj) {
-      if (cur.i < p.q) w[jj] = st.w[jj * kThreads + tid];
-      a[jj] = st.a[jj * kThreads + tid];
+      if (cur.i < p.q || C::kOffsetOneStep) w[jj] = st.w[jj * kThreads + tid];
+      if (cur.i < p.q || !C::kOffsetOneStep) a[jj] = st.a[jj * kThreads + tid];
     }
     // refill the stage the previous step read (its values are consumed) with step + S - 1
     if (to_issue > 0) {
       issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(slot == 0 ? S - 1 : slot - 1), tid);
-      advance<BP>(ld, planes, p.n_ch);
+      advance<BP>(ld, p.q, planes, p.n_ch);
       --to_issue;
     }
     commit_async();
@@ -380,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
       __syncthreads();
       first = false;
     }
-    const bool unit_end = cur.i == planes - 1 && cur.h == NH - 1;
+    const bool unit_end = cur.i == planes - 1 && cur.h == (cur.i < p.q ? NH : C::kOffsetSteps) - 1;
     if (unit_end && remaining > 1) load_x<BP>(p, cur.c + 1 == p.n_ch ? 0 : cur.c + 1, lane, xh);  // next unit's x
 
     if (cur.i < p.q) {
@@ -426,20 +456,16 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
 #pragma unroll
           for (int b = 0; b < BP; ++b) acc[r][b] = fmaf(plane_scale, part[r][b], acc[r][b]);
       }
-    } else {  // offset plane: y += z · Σ_{columns of the word} x
+    } else if constexpr (C::kOffsetOneStep) {  // offset plane, the whole chunk: y += z · Σ_{columns of a word} x
 #pragma unroll
-      for (int jj = 0; jj < SW; ++jj) {
-        const int wl = ((cur.h * SW + jj) + phi) & (NW - 1);
-        const float2 z01 = half2_bits_to_float2(a[jj].x), z23 = half2_bits_to_float2(a[jj].y);
-        const float z[4] = {z01.x, z01.y, z23.x, z23.y};
-#pragma unroll
-        for (int b = 0; b < BP; ++b) {
-          const float xs = tsum[(4 * wl) * BP + b] + tsum[(4 * wl + 1) * BP + b] + tsum[(4 * wl + 2) * BP + b] +
-                           tsum[(4 * wl + 3) * BP + b];
-#pragma unroll
-          for (int r = 0; r < kRowsPerLane; ++r) acc[r][b] = fmaf(z[r], xs, acc[r][b]);
-        }
+      for (int u = 0; u < NW; ++u) {
+        const uint4 zz = w[u >> 1];
+        const uint2 z = u & 1 ? make_uint2(zz.z, zz.w) : make_uint2(zz.x, zz.y);
+        add_offset_word<BP>(acc, z, (u + phi) & (NW - 1), tsum);
       }
+    } else {  // offset plane, this step's words
+#pragma unroll
+      for (int jj = 0; jj < SW; ++jj) add_offset_word<BP>(acc, a[jj], ((cur.h * SW + jj) + phi) & (NW - 1), tsum);
     }
     ++seg_steps;
     // end of this block's run on row tile cur.rt: add its partial sums, and finish the tile if it is complete
@@ -450,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
         for (int b = 0; b < BP; ++b)
           if (b < p.nb) atomic_add4(p.ws + size_t(b) * p.k + row0, acc[0][b], acc[1][b], acc[2][b], acc[3][b]);
       }
-      if (p.y != nullptr && complete_tile(p.counters + cur.rt, seg_steps, p.n_ch * planes * NH, &s_last) &&
+      if (p.y != nullptr && complete_tile(p.counters + cur.rt, seg_steps, p.n_ch * unit_steps, &s_last) &&
           row0 < p.k) {
         // this block completed the tile: fp32 sums -> fp16 output
         float bias[4] = {0.f, 0.f, 0.f, 0.f};
@@ -474,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
 #pragma unroll
         for (int b = 0; b < BP; ++b) acc[r][b] = 0.f;
     }
-    advance<BP>(cur, planes, p.n_ch);
+    advance<BP>(cur, p.q, planes, p.n_ch);
     --remaining;
   }
   wait_async<0>();  // no copy may outlive the block (only empty groups remain here)

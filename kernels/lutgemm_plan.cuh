@@ -11,6 +11,12 @@ inline int padded_batch(int nb) { return nb <= 1 ? 1 : nb <= 2 ? 2 : nb <= 4 ? 4
 
 inline int chunk_cols(int bp) { return bp == 1 ? Cfg<1>::kChunkCols : bp == 2 ? Cfg<2>::kChunkCols : bp == 4 ? Cfg<4>::kChunkCols : Cfg<8>::kChunkCols; }
 inline int steps_per_plane(int bp) { return bp == 1 ? Cfg<1>::kSteps : bp == 2 ? Cfg<2>::kSteps : bp == 4 ? Cfg<4>::kSteps : Cfg<8>::kSteps; }
+inline int offset_steps(int bp) {
+  return bp == 1   ? Cfg<1>::kOffsetSteps
+         : bp == 2 ? Cfg<2>::kOffsetSteps
+         : bp == 4 ? Cfg<4>::kOffsetSteps
+                   : Cfg<8>::kOffsetSteps;
+}
 
 // Row tiles of the LUT kernel.
 inline int row_tiles(int k) { return (k + kTileRows - 1) / kTileRows; }
@@ -38,7 +44,8 @@ inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t*
   const int cw = chunk_cols(padded_batch(nb)) / 32;
   p.n_ch = (W + cw - 1) / cw;
   p.planes = q + (offset != nullptr ? 1 : 0);
-  p.steps = (long long)p.n_rt * p.n_ch * p.planes * steps_per_plane(padded_batch(nb));
+  const int bp = padded_batch(nb);  // per chunk: NH steps per sign plane, then the offset plane's
+  p.steps = (long long)p.n_rt * p.n_ch * (q * steps_per_plane(bp) + (p.planes - q) * offset_steps(bp));
   return p;
 }
 

@@ -392,6 +392,25 @@ def test_emulated_lut_gemm(emulator, tmp_path, n, k, d, q, g, offset, bias, max_
     assert rel_err(y, reference(x, qt, b)) < TOL
 
 
+# stream-K cuts the steps of a matrix anywhere: with an offset, a unit is q planes of NH steps and then the offset
+# plane (one step at 1-2 columns, NH = 2; and 4 columns, NH = 1). Every grid from 1 block to one block per step, so
+# that a block starts and stops at every position of a unit, the offset step included.
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_emulated_every_stream_k_split_with_an_offset(emulator, tmp_path, n):
+    k, d, q, g = 1100, 512, 3, 128  # two row tiles, 2 (n <= 2) or 4 chunks
+    qt = make_bcq(k, d, q, g, True, seed=n)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)).half()
+    for name, t in (("qweight", qt.qweight), ("alpha", qt.alpha), ("offset", qt.offset), ("x", x)):
+        _save(tmp_path, name, t)
+    ref = reference(x, qt)
+    steps = 2 * 2 * (q * 2 + 1) if n <= 2 else 2 * 4 * (q + 1)
+    for blocks in range(1, steps + 2):  # one past: the grid is capped at one block per step
+        _emulate(emulator, tmp_path, ["gemm", tmp_path, n, d, k, q, g, 1, 0, blocks, 9])
+        y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, k))
+        assert not torch.isnan(y).any(), f"{blocks} blocks: output elements left unwritten"
+        assert rel_err(y, ref) < TOL, blocks
+
+
 # accumulate: the same launches stopping at their fp32 sums (LUT kernel, tensor cores, both in one call)
 @pytest.mark.parametrize("n,k,d,q,g,offset,max_blocks,mma_min_batch", [
     (1, 2048, 600, 3, 128, True, 3, 9),

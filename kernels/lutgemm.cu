@@ -50,7 +50,8 @@ LutKernel lut_kernel_for(bool lean, bool compact) {
   else return lean ? lut_kernel<BP, true>() : lut_kernel<BP>();
 }
 
-// The instance a launch of bp padded columns runs (compact only up to kCompactAlphaMaxBatch: checked first).
+// The instance a launch of bp padded columns runs. There is no compact-α instance past kCompactAlphaMaxBatch
+// columns: lutgemm_cuda_gemm refuses a compact α there before it gets here.
 LutKernel lut_instance(int bp, bool lean, bool compact) {
   switch (bp) {
     case 1: return lut_kernel_for<1>(lean, compact);

@@ -42,7 +42,8 @@
 // Batch (columns of x, 1..8 per launch, padded to BP ∈ {1, 2, 4, 8}): an entry holds the BP
 // values of a key: fp32 for BP = 1 (free: a 4-byte read costs the same); fp16 for BP ≥ 2, halving
 // shared-memory traffic, which bounds LUT-GEMM at larger batch (the paper's stated limitation).
-// The 4 lookups of one word are summed in fp16, then scaled by α in fp32 and accumulated in fp32.
+// The 4 lookups of one word are summed in fp16, then scaled by α in fp32 and accumulated in fp32 (compact α:
+// scaled by α_0, and a step's sum by 2^i).
 // Table construction is exact fp32 (Gray-code order: each entry is the previous one ± 2·x_t),
 // rounded once to the entry type.
 #pragma once
@@ -183,14 +184,16 @@ __device__ __forceinline__ void advance(Cursor& cur, int q, int planes, int n_ch
 }
 
 // One ring stage as this lane sees it: SW words of its 4 rows (16 bytes each) and, per word, the 4
-// halves of α (or of the offset z, in the extra "offset plane" that follows the q sign planes).
+// halves of α. In the extra "offset plane" that follows the q sign planes, the offset z take the α slots, or,
+// where the plane is one step per chunk (Cfg::kOffsetOneStep), the word slots: the chunk's NW words, two to a slot.
 struct Stage {
   uint4* w;  // [SW][kThreads]
   uint2* a;  // [SW][kThreads]
 };
 
 // Start copying step `cur` for this lane into a stage: the words (j + φ) mod NW of the chunk, j in
-// this step's range. Words past the row's end, and rows past k, come in as zeros (α = 0: no contribution).
+// this step's range (all NW for a one-step offset plane). Words past the row's end, and rows past k, come in as
+// zeros (α = 0: no contribution).
 template <int BP>
 __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur, uint32_t phi, uint32_t row0,
                                            const Stage& st, int tid) {
@@ -331,6 +334,15 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
 #endif
   __shared__ float tsum[NT * BP];
   __shared__ int s_last;
+#ifdef LUTGEMM_HOST_EMU
+  // the emulation runs blocks one after another in the same shared memory: poison it, so that a block that
+  // read tables or column sums it did not build (say, one starting inside a unit) fails the tests
+  if (threadIdx.x == 0) {
+    std::memset(smem, 0xFF, sizeof smem);
+    for (float& t : tsum) t = NAN;
+  }
+  __syncthreads();
+#endif
 
   qk::allow_next_grid();  // a grid of one wave (the default) has all its blocks running by now
   const long long s0 = p.steps * blockIdx.x / gridDim.x;

@@ -38,7 +38,8 @@ static_assert(LUT_STEP_WORDS == 1 || LUT_STEP_WORDS == 2 || LUT_STEP_WORDS == 4,
 
 // The offset plane (z·Σx per word) in one pipeline step per chunk instead of one per LUT_STEP_WORDS words, where
 // the chunk's z (8 bytes a word) fit in a stage's sign-word slots (16 bytes a word), which that step does not use
-// otherwise: 1-2 columns at 4 words a step. GPTQ-4 decode 2.035 -> 1.987 ms/token (H100, docs/lutgemm-kernel.md).
+// otherwise: where a plane is two steps (1-2 columns at 4 words a step). GPTQ-4 decode 2.035 -> 1.987 ms/token
+// (H100, docs/lutgemm-kernel.md).
 #ifndef LUT_OFFSET_ONE_STEP
 #define LUT_OFFSET_ONE_STEP 1  // chosen by benchmarks/bench_e2e_decode.py, GPTQ-4 g128 batch 1, H100
 #endif

@@ -14,6 +14,7 @@ The file mixes CPU and GPU tests, so the `gpu` mark is per test rather than a mo
 
 import os
 import random
+import re
 import shlex
 import subprocess
 
@@ -392,20 +393,44 @@ def test_emulated_lut_gemm(emulator, tmp_path, n, k, d, q, g, offset, bias, max_
     assert rel_err(y, reference(x, qt, b)) < TOL
 
 
+def _lut_switch(name):
+    """A LUT-GEMM tuning switch as the emulator is built: QUANTKIT_KERNEL_DEFINES's -DNAME=V, else the header's."""
+    for define in shlex.split(os.environ.get("QUANTKIT_KERNEL_DEFINES", "")):
+        if define.startswith(f"-D{name}="):
+            return int(define.split("=", 1)[1])
+    header = (build.SOURCE_DIR / "lutgemm_tuning.h").read_text()
+    return int(re.search(rf"#define {name} (\d+)", header).group(1))
+
+
+def _unit_steps(n, q, offset):
+    """Pipeline steps of one (row tile, chunk) unit of the LUT kernel at n columns (Cfg in lutgemm_lut_kernel.cuh)."""
+    words = 8 if n <= 2 else 4 if n <= 4 else 2
+    step_words = min(words, _lut_switch("LUT_STEP_WORDS"))
+    steps = words // step_words
+    offset_steps = 1 if _lut_switch("LUT_OFFSET_ONE_STEP") and words == 2 * step_words else steps
+    return q * steps + (offset_steps if offset else 0)
+
+
 # stream-K cuts the steps of a matrix anywhere: with an offset, a unit is q planes of NH steps and then the offset
-# plane (one step at 1-2 columns, NH = 2; and 4 columns, NH = 1). Every grid from 1 block to one block per step, so
-# that a block starts and stops at every position of a unit, the offset step included.
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_emulated_every_stream_k_split_with_an_offset(emulator, tmp_path, n):
-    k, d, q, g = 1100, 512, 3, 128  # two row tiles, 2 (n <= 2) or 4 chunks
-    qt = make_bcq(k, d, q, g, True, seed=n)
+# plane (one step where a plane is two). Every grid from 1 block to one block per step, so that a block starts and
+# stops at every position of a unit, the offset step included; compact α (uniform weights, 1-2 columns) too.
+@pytest.mark.parametrize("n,compact", [(1, False), (2, False), (4, False), (1, True), (2, True)])
+def test_emulated_every_stream_k_split_with_an_offset(emulator, tmp_path, n, compact):
+    k, d, q, g = 1100, 512, 3, 128  # two row tiles
+    if compact:
+        qt = bcq_from_uniform(_uniform_module(k, d, q, g, seed=n).qtensor())
+        alpha, planes = lutgemm.power_of_two_planes(qt.alpha), [1]
+    else:
+        qt = make_bcq(k, d, q, g, True, seed=n)
+        alpha, planes = qt.alpha, []
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)).half()
-    for name, t in (("qweight", qt.qweight), ("alpha", qt.alpha), ("offset", qt.offset), ("x", x)):
+    for name, t in (("qweight", qt.qweight), ("alpha", alpha), ("offset", qt.offset), ("x", x)):
         _save(tmp_path, name, t)
     ref = reference(x, qt)
-    steps = 2 * 2 * (q * 2 + 1) if n <= 2 else 2 * 4 * (q + 1)
+    chunks = d // (256 if n <= 2 else 128)
+    steps = 2 * chunks * _unit_steps(n, q, offset=True)
     for blocks in range(1, steps + 2):  # one past: the grid is capped at one block per step
-        _emulate(emulator, tmp_path, ["gemm", tmp_path, n, d, k, q, g, 1, 0, blocks, 9])
+        _emulate(emulator, tmp_path, ["gemm", tmp_path, n, d, k, q, g, 1, 0, blocks, 9, *planes])
         y = torch.from_numpy(np.fromfile(tmp_path / "y.bin", dtype=np.float16).reshape(n, k))
         assert not torch.isnan(y).any(), f"{blocks} blocks: output elements left unwritten"
         assert rel_err(y, ref) < TOL, blocks

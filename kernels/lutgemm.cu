@@ -61,14 +61,6 @@ LutKernel lut_instance(int bp, bool lean, bool compact) {
   }
 }
 
-int lut_smem_bytes(int bp) {
-  using lutgemm::Cfg;
-  return bp == 1   ? Cfg<1>::kSmemBytes
-         : bp == 2 ? Cfg<2>::kSmemBytes
-         : bp == 4 ? Cfg<4>::kSmemBytes
-                   : Cfg<8>::kSmemBytes;
-}
-
 // Whether `device` runs the lean LUT instances (1-4 columns): where the decode measured faster with them,
 // the H100s (lutgemm_tuning.h). With the default ring, shared memory, not registers, sets their residency, so
 // the grid is the same.
@@ -124,7 +116,7 @@ int lut_resident_blocks(int bp, bool lean, bool compact) {
   if (slot == 0) {
     int n = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, lut_instance(bp, lean, compact), lutgemm::kThreads,
-                                                  lut_smem_bytes(bp));
+                                                  lutgemm::lut_smem_bytes(bp));
     slot = n > 0 ? n : 1;
   }
   return slot;
@@ -155,8 +147,9 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
     if (err != cudaSuccess) return err;
     if (device >= 0 && device < 64) sm_count[device] = sms;
   }
-  // compact α: one plane for q > 1, for up to kCompactAlphaMaxBatch columns (the op checks it first)
-  if (alpha_planes != q && (alpha_planes != 1 || n > kCompactAlphaMaxBatch)) return cudaErrorInvalidValue;
+  // the op checks the α layout first
+  if (!alpha_layout_ok(alpha_planes, q, n)) return cudaErrorInvalidValue;
+  const bool compact = alpha_planes != q;
   const int launches = (n + kMaxBatch - 1) / kMaxBatch, n_rt = max_row_tiles(k);
   overlap = overlap && qk::overlap_supported<lut_gemm_kernel<1>>(device);  // one build: one answer for all
   int* counters = reinterpret_cast<int*>(ws + size_t(n) * k);  // zero bits are int 0
@@ -166,17 +159,16 @@ cudaError_t lutgemm_cuda_gemm(const void* x, int n, int d, const int* qweight, c
                                         reinterpret_cast<const uint32_t*>(qweight), static_cast<const __half*>(alpha),
                                         static_cast<const __half*>(offset), static_cast<const __half*>(bias),
                                         y ? static_cast<__half*>(y) + size_t(l) * kMaxBatch * k : nullptr,
-                                        ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g,
-                                        alpha_planes);
+                                        ws + size_t(l) * kMaxBatch * k, counters + l * n_rt, q, W, k, G, g);
     const int bp = padded_batch(nb);
-    if (nb >= mma_min_batch && mma_supported(g, G) && alpha_planes == q) {
+    if (nb >= mma_min_batch && mma_supported(g, G) && !compact) {
       const LutParams pm = make_mma_params(p);
       const int grid = lut_grid(pm, blocks > 0 ? blocks : sms * mma_resident_blocks(pm.planes, pm.q));
       err = qk::launch_kernel(mma_kernel(pm.q), grid, kThreads, mma_smem_bytes(pm.q, pm.planes), stream, overlap, pm);
       if (err != cudaSuccess) return err;
       continue;
     }
-    const bool lean = bp <= 4 && lut_lean_registers(device), compact = p.compact_alpha != 0;
+    const bool lean = bp <= 4 && lut_lean_registers(device);
     const int grid = lut_grid(p, blocks > 0 ? blocks : sms * lut_resident_blocks(bp, lean, compact));
     err = qk::launch_kernel(lut_instance(bp, lean, compact), grid, kThreads, lut_smem_bytes(bp), stream, overlap, p);
     if (err != cudaSuccess) return err;
@@ -254,7 +246,8 @@ void check_lut_operands(const at::Tensor& x, const at::Tensor& qweight, const at
   check_bcq(qweight, alpha, offset, group_size, d, /*compact=*/true);
   const int64_t q = qweight.size(0), W = qweight.size(1), k = qweight.size(2), G = alpha.size(0);
   QK_CHECK(x.device() == qweight.device(), "x is on ", x.device(), " but qweight on ", qweight.device());
-  QK_CHECK(alpha.size(1) == q || x.size(0) <= lutgemm::kCompactAlphaMaxBatch, "a compact alpha [G, 1, k] serves up to ",
+  QK_CHECK(lutgemm::alpha_layout_ok(int(alpha.size(1)), int(q), int(x.size(0))),
+           "a compact alpha [G, 1, k] serves up to ",
            lutgemm::kCompactAlphaMaxBatch, " rows of x, got ", x.size(0), " (pass alpha [G, q, k])");
   QK_CHECK(k % 4 == 0, "the LUT kernel needs out_features % 4 == 0, got ", k, " (use dequantize)");
   QK_CHECK(q * W * k < (int64_t(1) << 31) && G * q * k < (int64_t(1) << 31),

@@ -41,7 +41,7 @@ constexpr int kRowsPerWarp = 32 * kRowsPerLane;
 constexpr int kTileRows = kWarps * kRowsPerWarp;  // 1024
 constexpr int kLutBytes = 256 * 128;              // 256 keys × (NT tables × E bytes = 128)
 constexpr int kMaxBatch = 8;
-constexpr int kCompactAlphaMaxBatch = 2;  // columns per launch that compact α serves (the LUT kernel's registers)
+constexpr int kCompactAlphaMaxBatch = 2;  // columns per launch that compact α serves (its COMPACT_ALPHA instances)
 
 struct LutParams {
   const __half* x;       // [nb, d] fp16, row stride d
@@ -55,8 +55,6 @@ struct LutParams {
   int nb, d, k, q, W;
   int x_vec;             // x rows start 16-byte aligned (d % 8 == 0 and an aligned base): vector loads
   uint32_t group_magic;  // group of word w = umulhi(2w+1, magic), see group_magic() below; 0 if one group
-  uint32_t alpha_plane_stride, alpha_group_stride;  // α[g][i][r] at g·group + i·plane + r: (k, q·k), compact (0, k)
-  int compact_alpha;     // α is [G, 1, k]: plane i's is 2^i·α_0 (served by the COMPACT_ALPHA instances only)
   uint32_t pow2[32];     // pow2[i] = 2^i: shifts done as multiplies by a value the compiler cannot see (lut_gemm_kernel)
   int n_rt, n_ch;        // row tiles, chunks
   int planes;            // q, plus one "offset plane" when there is an offset

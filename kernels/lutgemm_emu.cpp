@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
     const int n = arg(3), d = arg(4), k = arg(5), q = arg(6), g = arg(7), has_off = arg(8), has_bias = arg(9),
               max_blocks = arg(10), mma_min_batch = arg(11);
     const int W = (d + 31) / 32, G = (d + g - 1) / g, alpha_planes = argc == 13 ? arg(12) : q;
-    if (alpha_planes != q && (alpha_planes != 1 || n > kCompactAlphaMaxBatch)) {  // as lutgemm.cu refuses it
+    const bool compact = alpha_planes != q;  // the instance lutgemm.cu launches for it
+    if (!alpha_layout_ok(alpha_planes, q, n)) {  // as lutgemm.cu refuses it
       std::fprintf(stderr, "compact alpha: one plane, up to %d columns\n", kCompactAlphaMaxBatch);
       return 2;
     }
@@ -93,8 +94,8 @@ int main(int argc, char** argv) {
                                           has_off ? z.data() : nullptr, has_bias ? bias.data() : nullptr,
                                           accumulate ? nullptr : y.data() + size_t(l) * kMaxBatch * k,
                                           ws.data() + size_t(l) * kMaxBatch * k,
-                                          counters + l * n_rt, q, W, k, G, g, alpha_planes);
-      if (nb >= mma_min_batch && mma_supported(g, G) && alpha_planes == q) {
+                                          counters + l * n_rt, q, W, k, G, g);
+      if (nb >= mma_min_batch && mma_supported(g, G) && !compact) {
         const LutParams pm = make_mma_params(p);
         const dim3 grid(lut_grid(pm, max_blocks));
         switch (q <= MMA_STATIC_Q_MAX ? q : 0) {
@@ -107,7 +108,6 @@ int main(int argc, char** argv) {
         continue;
       }
       const dim3 grid(lut_grid(p, max_blocks));
-      const bool compact = p.compact_alpha != 0;  // the instance lutgemm.cu launches for it
       auto run = [&](void (*kernel)(LutParams)) { emu::launch(grid, kThreads, [&] { kernel(p); }); };
       switch (padded_batch(nb)) {
         case 1: run(compact ? lut_gemm_kernel<1, LUT_MIN_BLOCKS, true> : lut_gemm_kernel<1>); break;

@@ -193,8 +193,8 @@ struct Stage {
 
 // Start copying step `cur` for this lane into a stage: the words (j + φ) mod NW of the chunk, j in
 // this step's range (all NW for a one-step offset plane). Words past the row's end, and rows past k, come in as
-// zeros (α = 0: no contribution).
-template <int BP>
+// zeros (α = 0: no contribution). COMPACT_ALPHA: α is [G, 1, k], every plane reads plane 0's.
+template <int BP, bool COMPACT_ALPHA>
 __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur, uint32_t phi, uint32_t row0,
                                            const Stage& st, int tid) {
   using C = Cfg<BP>;
@@ -203,8 +203,9 @@ __device__ __forceinline__ void issue_step(const LutParams& p, const Cursor& cur
   const bool row_ok = row0 < k;
   const uint32_t w0 = uint32_t(cur.c) * C::kWords, j0 = uint32_t(cur.h) * C::kStepWords + phi;
   if (cur.i < p.q) {
-    const uint32_t plane = uint32_t(cur.i) * W * k + row0, scale = uint32_t(cur.i) * p.alpha_plane_stride + row0;
-    const uint32_t group_stride = p.alpha_group_stride;
+    // α[g][i][r] at g·(q·k) + i·k + r; compact: g·k + r
+    const uint32_t plane = uint32_t(cur.i) * W * k + row0, scale = (COMPACT_ALPHA ? 0u : uint32_t(cur.i) * k) + row0;
+    const uint32_t group_stride = COMPACT_ALPHA ? k : uint32_t(p.q) * k;
 #pragma unroll
     for (int jj = 0; jj < C::kStepWords; ++jj) {
       const uint32_t w = w0 + ((j0 + jj) & (C::kWords - 1));
@@ -320,7 +321,7 @@ __device__ __forceinline__ void add_offset_word(float (&acc)[kRowsPerLane][BP], 
 // step granularity, so blocks differ by at most one step of work, and a block may start or stop
 // in the middle of a unit (its partial sums are just as additive).
 // MIN_BLOCKS: the register budget (__launch_bounds__), LUT_MIN_BLOCKS or, for the lean instances,
-// LUT_MIN_BLOCKS_LEAN (lutgemm_tuning.h). COMPACT_ALPHA: the instance for p.compact_alpha (α [G, 1, k]).
+// LUT_MIN_BLOCKS_LEAN (lutgemm_tuning.h). COMPACT_ALPHA: the instance for a compact α [G, 1, k].
 template <int BP, int MIN_BLOCKS = LUT_MIN_BLOCKS, bool COMPACT_ALPHA = false>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const LutParams p) {
   static_assert(!COMPACT_ALPHA || BP <= kCompactAlphaMaxBatch, "compact alpha serves up to kCompactAlphaMaxBatch");
@@ -389,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (to_issue > 0) {
-      issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(s), tid);
+      issue_step<BP, COMPACT_ALPHA>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(s), tid);
       advance<BP>(ld, p.q, planes, p.n_ch);
       --to_issue;
     }
@@ -410,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) lut_gemm_kernel(const Lu
     }
     // refill the stage the previous step read (its values are consumed) with step + S - 1
     if (to_issue > 0) {
-      issue_step<BP>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(slot == 0 ? S - 1 : slot - 1), tid);
+      issue_step<BP, COMPACT_ALPHA>(p, ld, phi, ld.rt * kTileRows + row_in_tile, stage(slot == 0 ? S - 1 : slot - 1), tid);
       advance<BP>(ld, p.q, planes, p.n_ch);
       --to_issue;
     }

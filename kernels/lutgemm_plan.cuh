@@ -9,13 +9,20 @@ namespace lutgemm {
 
 inline int padded_batch(int nb) { return nb <= 1 ? 1 : nb <= 2 ? 2 : nb <= 4 ? 4 : 8; }
 
-inline int chunk_cols(int bp) { return bp == 1 ? Cfg<1>::kChunkCols : bp == 2 ? Cfg<2>::kChunkCols : bp == 4 ? Cfg<4>::kChunkCols : Cfg<8>::kChunkCols; }
-inline int steps_per_plane(int bp) { return bp == 1 ? Cfg<1>::kSteps : bp == 2 ? Cfg<2>::kSteps : bp == 4 ? Cfg<4>::kSteps : Cfg<8>::kSteps; }
-inline int offset_steps(int bp) {
-  return bp == 1   ? Cfg<1>::kOffsetSteps
-         : bp == 2 ? Cfg<2>::kOffsetSteps
-         : bp == 4 ? Cfg<4>::kOffsetSteps
-                   : Cfg<8>::kOffsetSteps;
+// f(Cfg<bp>{}) for a padded batch bp: the LUT kernel's compile-time shape, asked at run time
+template <class F>
+inline int by_padded_batch(int bp, F f) {
+  return bp == 1 ? f(Cfg<1>{}) : bp == 2 ? f(Cfg<2>{}) : bp == 4 ? f(Cfg<4>{}) : f(Cfg<8>{});
+}
+inline int chunk_cols(int bp) { return by_padded_batch(bp, [](auto c) { return decltype(c)::kChunkCols; }); }
+inline int steps_per_plane(int bp) { return by_padded_batch(bp, [](auto c) { return decltype(c)::kSteps; }); }
+inline int offset_steps(int bp) { return by_padded_batch(bp, [](auto c) { return decltype(c)::kOffsetSteps; }); }
+inline int lut_smem_bytes(int bp) { return by_padded_batch(bp, [](auto c) { return decltype(c)::kSmemBytes; }); }
+
+// The α layouts a launch of n columns may pass: alpha_planes = q (alpha [G, q, k]), or 1 (compact α [G, 1, k],
+// α_i = 2^i·α_0) up to kCompactAlphaMaxBatch columns, served by the LUT kernel's COMPACT_ALPHA instances only.
+inline bool alpha_layout_ok(int alpha_planes, int q, int n) {
+  return alpha_planes == q || (alpha_planes == 1 && n <= kCompactAlphaMaxBatch);
 }
 
 // Row tiles of the LUT kernel.
@@ -26,25 +33,20 @@ inline int max_row_tiles(int k) { return (k + kMmaTileRows - 1) / kMmaTileRows; 
 // Whether the tensor-core path can serve a weight: whole 128-column chunks per group.
 inline bool mma_supported(int group_size, int groups) { return groups == 1 || group_size % 128 == 0; }
 
-// alpha_planes: q (alpha [G, q, k]) or 1 (compact α [G, 1, k]: α_i = 2^i·α_0; the LUT kernel only)
 inline LutParams make_lut_params(const __half* x, int nb, int d, const uint32_t* qw, const __half* alpha,
                                  const __half* offset, const __half* bias, __half* y, float* ws, int* counters,
-                                 int q, int W, int k, int G, int g, int alpha_planes) {
+                                 int q, int W, int k, int G, int g) {
   LutParams p{};
   p.x = x, p.qw = qw, p.alpha = alpha, p.offset = offset, p.bias = bias, p.y = y, p.ws = ws, p.counters = counters;
   p.nb = nb, p.d = d, p.k = k, p.q = q, p.W = W;
   p.x_vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   p.group_magic = group_magic(g, G);
-  const bool compact = alpha_planes == 1 && q > 1;
-  p.alpha_plane_stride = compact ? 0u : uint32_t(k);
-  p.alpha_group_stride = uint32_t(compact ? 1 : q) * uint32_t(k);
-  p.compact_alpha = compact;
   for (int i = 0; i < 32; ++i) p.pow2[i] = 1u << i;
   p.n_rt = row_tiles(k);
-  const int cw = chunk_cols(padded_batch(nb)) / 32;
+  const int bp = padded_batch(nb), cw = chunk_cols(bp) / 32;
   p.n_ch = (W + cw - 1) / cw;
   p.planes = q + (offset != nullptr ? 1 : 0);
-  const int bp = padded_batch(nb);  // per chunk: NH steps per sign plane, then the offset plane's
+  // per chunk: NH steps per sign plane, then the offset plane's
   p.steps = (long long)p.n_rt * p.n_ch * (q * steps_per_plane(bp) + (p.planes - q) * offset_steps(bp));
   return p;
 }

@@ -68,8 +68,8 @@ MATVEC_MAX_TOKENS = 8
 # tables cost 212-218 us against 150-157 us on tensor cores. 9 would turn the tensor-core kernel off.
 MMA_MIN_BATCH = 5
 
-# Most tokens for which the LUT kernel takes a compact α (kCompactAlphaMaxBatch in kernels/lutgemm_common.cuh:
-# at 4 columns the plane scale makes the 80-register instance spill; from 5 the tensor-core kernel reads every
+# Most tokens for which the LUT kernel takes a compact α (kCompactAlphaMaxBatch in kernels/lutgemm_common.cuh: its
+# compact instances serve 1-2 columns, where the decode measured them; from 5 the tensor-core kernel reads every
 # plane's α).
 COMPACT_ALPHA_MAX_TOKENS = 2
 

@@ -6,7 +6,9 @@
 The model is runtime.model's Decoder built from Llama-2-7B's config (hidden 4096, intermediate 11008, 32
 layers and heads, vocab 32000) by runtime.weights.build_decoder, the loader `quantkit generate` uses, from
 random tensors made on the GPU (speed does not depend on the values; no download):
-  fp16         random fp16 weights (q/k/v and gate/up stacked as for any model)
+  fp16         random fp16 weights (q/k/v and gate/up stacked as for any model), projections on the split-K
+               matvec (runtime/dense_matvec.py) as the decoder serves them
+  fp16-cublas  the same model with its projections on cuBLAS (the speedups stay over "fp16")
   bcq-q3/q4    random sign planes and α, groups of 128, no offset (LUT-GEMM's format)
   gptq4        random uniform 4-bit codes, fp16 scales and 4-bit zero points, groups of 128: the layout of a
                GPTQ-4 / RTN-4 artifact, which the loader converts to BCQ on the GPU for the LUT kernels, the
@@ -30,6 +32,7 @@ Also reported:
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -45,7 +48,7 @@ from quantkit.formats.bcq import BCQQuantizedTensor
 from quantkit.formats.packing import pack_rows
 from quantkit.formats.uniform import UniformQuantizedTensor
 from quantkit.kernels import lutgemm
-from quantkit.runtime import ops
+from quantkit.runtime import dense_matvec, ops
 from quantkit.runtime.generate import FastGenerator
 from quantkit.runtime.model import DecoderConfig
 from quantkit.runtime.quant_linear import QuantLinear
@@ -54,8 +57,8 @@ from quantkit.runtime.weights import GROUPS, build_decoder
 LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
              "rms_norm_eps": 1e-5}
-FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128"] + [f"anyprec-{k}" for k in range(3, 9)]
-QUICK_FORMATS = ["fp16", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128", "anyprec-3", "anyprec-4"]
+FORMATS = ["fp16", "fp16-cublas", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128"] + [f"anyprec-{k}" for k in range(3, 9)]
+QUICK_FORMATS = ["fp16", "fp16-cublas", "bcq-q3-g128", "bcq-q4-g128", "gptq4-g128", "anyprec-3", "anyprec-4"]
 # speedup over fp16 at batch 1 (and the fp16 step's fraction of the streaming rate), by card
 GOALS = {"H100": {"bcq-q3-g128": 3.2, "bcq-q4-g128": 2.7, "gptq4-g128": 2.7, "anyprec-3": 2.8},
          "H200": {"bcq-q3-g128": 2.7, "bcq-q4-g128": 2.3, "anyprec-3": 2.4}}
@@ -131,7 +134,7 @@ def build_model(cfg, family, seed):
 
 
 def family_of(fmt):
-    return "anyprec" if fmt.startswith("anyprec-") else fmt
+    return "anyprec" if fmt.startswith("anyprec-") else "fp16" if fmt.startswith("fp16") else fmt
 
 
 # --- bytes and rates -----------------------------------------------------------------------------------
@@ -238,6 +241,13 @@ def stubbed_step_ms(model, prompts, gen, repeats):
 
 
 def run_format(fmt, model, args, results, vocab):
+    """Time `fmt` on `model` (fp16-cublas: the fp16 model with its projections on cuBLAS instead of the split-K
+    matvec, captured so)."""
+    with dense_matvec.disabled() if fmt == "fp16-cublas" else contextlib.nullcontext():
+        _run_format(fmt, model, args, results, vocab)
+
+
+def _run_format(fmt, model, args, results, vocab):
     bits = int(fmt.split("-")[1]) if fmt.startswith("anyprec-") else None
     if bits is not None:
         model.set_bits(bits)
@@ -272,7 +282,7 @@ def add_ratios(results, stream_rate):
         key = (r["batch"], r["gen_tokens"])
         if key in base:
             r["speedup"] = base[key] / r["ms_per_token"]
-        if r["format"] == "fp16":
+        if family_of(r["format"]) == "fp16":
             r["stream_fraction"] = r["gb_per_s"] / stream_rate
 
 

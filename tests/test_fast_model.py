@@ -674,23 +674,28 @@ def test_cuda_batched_prompts_decode_as_each_alone(fmt, gpu_checkpoint):
 
 @pytest.mark.requires("cuda")
 def test_cuda_sampling_is_seeded(gpu_checkpoint):
-    """The float model: the LUT kernels add their fp32 partial sums in no fixed order, so on BCQ weights two
-    seeded runs agree only until a draw lands near a boundary of the sampled distribution."""
+    """The float model on cuBLAS: the LUT kernels and the split-K fp16 matvec add their fp32 partial sums in no
+    fixed order, so with them two seeded runs agree only until a draw lands near a boundary of the sampled
+    distribution."""
+    from quantkit.runtime import dense_matvec
+
     fast = load_pair(gpu_checkpoint, "llama", "float", device="cuda")[1]
-    generator = FastGenerator(fast)
     sampling = Sampling(greedy=False, temperature=1.0, top_k=50, top_p=0.95, seed=7)
-    runs = [generator.run(_gpu_prompts(), GPU_STEPS, sampling)["token_ids"] for _ in range(2)]
-    other = generator.run(_gpu_prompts(), GPU_STEPS, Sampling(greedy=False, temperature=1.0, seed=8))["token_ids"]
+    with dense_matvec.disabled():  # cuBLAS: the split-K matvec's atomics add in no fixed order, like the LUT kernels'
+        generator = FastGenerator(fast)
+        runs = [generator.run(_gpu_prompts(), GPU_STEPS, sampling)["token_ids"] for _ in range(2)]
+        other = generator.run(_gpu_prompts(), GPU_STEPS, Sampling(greedy=False, temperature=1.0, seed=8))["token_ids"]
     assert runs[0] == runs[1] and runs[0] != other
 
 
 @pytest.mark.requires("cuda", "triton")
-@pytest.mark.parametrize("fmt,sums", [("bcq", True), ("anyprec", False), ("float", False)])
+@pytest.mark.parametrize("fmt,sums", [("bcq", True), ("anyprec", False), ("float", True)])
 def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypatch):
     """The captured step launches the Triton kernels (attention, add + norm, SiLU·mul), the matvec operators,
-    LUT sums left for the next kernel where BCQ serves; on sm_90+ the launches overlap."""
+    sums left for the next kernel where the LUT kernels (BCQ) or the split-K matvec (fp16) serve; on sm_90+ the
+    launches overlap."""
     from quantkit.kernels import overlap
-    from quantkit.runtime import add_norm, decode_attention, silu_mul
+    from quantkit.runtime import add_norm, decode_attention, dense_matvec, silu_mul
 
     # mistral: no biases, so every projection of the BCQ model may leave its sums (the llama here has q/k/v biases)
     fast = load_pair(gpu_checkpoint, "mistral", fmt, 3 if fmt == "anyprec" else None, device="cuda")[1]
@@ -702,7 +707,8 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypa
         monkeypatch.setattr(module, name, lambda *a, **k: calls.append((name, k.get("consume"))) or original(*a, **k))
 
     for module, name in ((add_norm, "add_rms_norm"), (silu_mul, "silu_mul"), (decode_attention, "decode"),
-                         (ops, "lut_accumulate"), (ops, "lut_matvec"), (ops, "anyprec_matvec")):
+                         (ops, "lut_accumulate"), (ops, "lut_matvec"), (ops, "anyprec_matvec"),
+                         (ops, "dense_accumulate")):
         spy(module, name)
     launched = []
     triton_launch = overlap.triton_launch
@@ -714,7 +720,9 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypa
     layers = fast.cfg.num_layers
     names = [n for n, _ in calls]
     assert names.count("decode") >= layers and names.count("silu_mul") >= layers
-    assert ("lut_accumulate" in names) == sums and ("anyprec_matvec" in names) == (fmt == "anyprec")
+    assert ("lut_accumulate" in names) == (fmt == "bcq") and ("anyprec_matvec" in names) == (fmt == "anyprec")
+    assert ("dense_accumulate" in names) == (fmt == "float" and dense_matvec.available())
+    sums = sums and (fmt != "float" or dense_matvec.available())
     if sums:
         assert ("decode", True) in calls and ("silu_mul", True) in calls and ("add_rms_norm", True) in calls
     if overlap.for_device("cuda"):
@@ -736,6 +744,17 @@ def test_cuda_matvec_operators_pass_checks_and_compile(gpu_checkpoint):
     torch.library.opcheck(ops.lut_accumulate, (x, *args[1:4], module.meta["group_size"], acc.clone(), False))
     ops.lut_accumulate(x, *args[1:4], module.meta["group_size"], acc, False)
     torch.testing.assert_close(acc.view(2, -1).half(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.requires("cuda", "triton")
+def test_cuda_dense_operator_passes_checks_and_compiles():
+    weight = torch.randn(384, 256, device="cuda", dtype=torch.float16)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.float16)
+    acc = torch.zeros(3 * 384, device="cuda")
+    torch.library.opcheck(ops.dense_accumulate, (x, weight, acc.clone()))
+    compiled = torch.compile(lambda x, acc: ops.dense_accumulate(x, weight, acc), backend="aot_eager", fullgraph=True)
+    compiled(x, acc)
+    torch.testing.assert_close(acc.view(3, -1), (x.float() @ weight.float().t()), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.requires("cuda")

@@ -12,12 +12,14 @@ graph captures it and torch.compile traces it like any ATen op:
   quantkit::lut_matvec(x, qweight, alpha, offset, bias, group_size, workspace, overlap)   CUDA (LUT-GEMM)
   quantkit::lut_accumulate(x, qweight, alpha, offset, group_size, acc, overlap)         CUDA (LUT-GEMM)
   quantkit::anyprec_matvec(x, planes, lut, bits, bias, overlap)                          CUDA (any-precision)
+  quantkit::dense_accumulate(x, weight, acc)                  Triton (runtime/dense_matvec.py): fp16 weights
 
 The Triton operators run their kernel where it serves (CUDA, Triton installed, shapes it handles) and
 otherwise the PyTorch expression the kernel is tested against, on any device: the CPU path of the decoder
 is the same code. `consume` means the input is a LUT matvec's fp32 split-K sums (QuantLinear.accumulate):
 the operator rounds them as the matvec's fp16 output would be rounded and leaves them zero, so the matvec
-skips its own finishing step (docs/decode-runtime.md). The CUDA operators exist on CUDA only; `project`
+skips its own finishing step (docs/decode-runtime.md). The fp16 projections leave such sums too, through the
+split-K dense matvec. The CUDA operators exist on CUDA only; `project`
 and `project_sums` below decide, per call, whether one of them serves a projection or the module runs
 its own forward (prefill: dequantize + cuBLAS; the CPU: the dequantized reference).
 """
@@ -25,10 +27,10 @@ its own forward (prefill: dequantize + cuBLAS; the CPU: the dequantized referenc
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from quantkit.kernels import build, lutgemm, overlap
-from quantkit.runtime import add_norm, decode_attention, silu_mul
+from quantkit.runtime import add_norm, decode_attention, dense_matvec, silu_mul
 from quantkit.runtime.quant_linear import QuantLinear
 
 MATVEC_MAX_ROWS = 8  # rows of x one LUT or any-precision matvec launch serves (the kernels' batch)
@@ -103,6 +105,18 @@ def attend(qkv: Tensor, keys: Tensor, values: Tensor, positions: Tensor, cos: Op
 @attend.register_fake
 def _(qkv, keys, values, positions, cos, sin, counters, heads, scale, consume, cache_settled=False):
     return keys.new_empty(qkv.shape[0], heads * keys.shape[3])
+
+
+@torch.library.custom_op("quantkit::dense_accumulate", mutates_args=("acc",), device_types="cuda")
+def dense_accumulate(x: Tensor, weight: Tensor, acc: Tensor) -> None:
+    """acc[: n·k] += x [n <= 8, d] @ weight [k, d]ᵀ in fp32 (fp16 inputs), not finished: the next operator
+    consumes the sums."""
+    dense_matvec.accumulate(x.contiguous(), weight, acc)
+
+
+@dense_accumulate.register_fake
+def _(x, weight, acc):
+    return None
 
 
 # --- CUDA matvec kernels -------------------------------------------------------------------------------
@@ -209,11 +223,20 @@ def project(module, x):
 
 def project_sums(module, x):
     """The fp32 sums of module(x) left unfinished in the module's workspace ([..., out_features] view, to be
-    consumed and cleared by the next operator) where the LUT kernels serve a bias-free BCQ module for x on
-    CUDA; None otherwise (nothing ran; call `project`)."""
-    if not (isinstance(module, QuantLinear) and x.is_cuda and module.bias is None):
+    consumed and cleared by the next operator) where the LUT kernels serve a bias-free BCQ module, or the
+    split-K dense matvec a bias-free fp16 nn.Linear, for x on CUDA; None otherwise (nothing ran; call
+    `project`)."""
+    if not x.is_cuda or getattr(module, "bias", None) is not None:  # (a Concat has none)
         return None
     x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(module, nn.Linear) and dense_matvec.serves(module.weight, x2):
+        workspace = dense_matvec.kept_workspace(module, x.device, module.out_features)
+        if workspace is None:  # first use inside a CUDA-graph capture
+            return None
+        dense_accumulate(x2, module.weight, workspace)
+        return workspace[: x2.shape[0] * module.out_features].view(*x.shape[:-1], module.out_features)
+    if not isinstance(module, QuantLinear):
+        return None
     ops = _lut_served(module, x2) if x2.shape[0] <= MATVEC_MAX_ROWS else None
     if ops is None:
         return None

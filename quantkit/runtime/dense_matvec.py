@@ -73,8 +73,8 @@ def _kernel(triton, tl):
         k_begin = pid_k * CHUNKS * BLOCK_K
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
         row_ok = rows < N
-        if B_PAD == 1:
-            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if B_PAD == 1:  # products summed across the chunk's columns once, after the loop
+            part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             batch = tl.arange(0, B_PAD)
             part = tl.zeros([BLOCK_N, B_PAD], dtype=tl.float32)
@@ -89,13 +89,13 @@ def _kernel(triton, tl):
                     xv = tl.load(x_ptr + kk)
                 else:
                     xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-                part += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
             else:
                 xt = tl.load(x_ptr + batch[None, :] * stride_x + kk[:, None],
                              mask=(batch < B)[None, :] & (kk < K)[:, None], other=0.0)
                 part = tl.dot(w, xt, part)
         if B_PAD == 1:
-            tl.atomic_add(acc_ptr + rows, part, mask=row_ok, sem="relaxed")
+            tl.atomic_add(acc_ptr + rows, tl.sum(part, axis=1), mask=row_ok, sem="relaxed")
         else:
             tl.atomic_add(acc_ptr + batch[None, :] * N + rows[:, None], part,
                           mask=row_ok[:, None] & (batch < B)[None, :], sem="relaxed")

@@ -75,6 +75,12 @@ def test_serves_only_fp16_rows_on_cuda_when_enabled():
         with dense_matvec.disabled():
             assert not dense_matvec.serves(wc, xc)
         assert dense_matvec.serves(wc, xc)
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert not dense_matvec.serves(wc, xc)
+        finally:
+            torch.use_deterministic_algorithms(False, warn_only=warn_only)
 
 
 @pytest.mark.requires("cuda", "triton")

@@ -126,9 +126,11 @@ def disabled():
 
 def serves(weight, x):
     """Whether the kernel serves x [B, K] against `weight` (an nn.Linear's) here: enabled, Triton, CUDA,
-    both fp16 (the consumers round the sums to fp16, as the matvec's own output would be), B <= 8."""
+    both fp16 (the consumers round the sums to fp16, as the matvec's own output would be), B <= 8, and not
+    under torch.use_deterministic_algorithms(True) (its atomics add in no fixed order; cuBLAS then)."""
     return (enabled() and x.is_cuda and x.dtype == torch.float16 and weight.dtype == torch.float16
-            and 1 <= x.shape[0] <= MAX_ROWS and weight.stride(-1) == 1 and available())
+            and 1 <= x.shape[0] <= MAX_ROWS and weight.stride(-1) == 1
+            and not torch.are_deterministic_algorithms_enabled() and available())
 
 
 def kept_workspace(module, device, out_features):

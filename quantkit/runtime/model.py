@@ -13,8 +13,9 @@ A decode step of one layer, on CUDA with the LUT kernels (BCQ, and uniform via i
   wqkv matvec, its fp32 sums left unfinished -> decode attention (finishes and rotates q/k, writes k/v
   into the cache at each row's position, attends) -> wo matvec (sums) -> residual add + post-attention
   RMSNorm (finishes the sums) -> w13 matvec (sums) -> SiLU·mul (finishes them) -> w2 matvec (sums), which
-  the next layer's add + input RMSNorm (or the final norm) finishes. Formats whose kernels leave no sums
-  (fp16, any-precision, layers with a bias) hand their finished outputs to the same operators.
+  the next layer's add + input RMSNorm (or the final norm) finishes. fp16 projections leave sums too (the
+  split-K matvec, runtime/dense_matvec.py); formats whose kernels leave none (any-precision, layers with a
+  bias) hand their finished outputs to the same operators.
 
 Everything is read from the transformers config object (`DecoderConfig.from_transformers`), nothing from
 transformers' code. Qwen3's per-head q/k RMSNorm comes before the rotation; q/k/v biases (Qwen2, or

@@ -1,5 +1,7 @@
-"""Where quantkit looks for data and caches; each location can be overridden by environment."""
+"""Where quantkit looks for data and caches; each location can be overridden by environment. Process-wide
+switches of the runtime's optional paths."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -23,3 +25,23 @@ def data_dir(override=None):
     """The evaluation/calibration text directory (layout of shared/data), or None."""
     value = override or os.environ.get("QUANTKIT_DATA")
     return Path(value) if value else None
+
+
+class ProcessSwitch:
+    """An optional path, on for the process unless its environment variable is "0", and off inside
+    `disabled()` blocks (A/B benchmarks; a CUDA graph keeps what was set while it was captured)."""
+
+    def __init__(self, env: str):
+        self.env = env
+        self.on = os.environ.get(env, "1") != "0"
+
+    def enabled(self) -> bool:
+        return self.on
+
+    @contextlib.contextmanager
+    def disabled(self):
+        previous, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = previous

@@ -842,7 +842,7 @@ def test_module_overlaps_once_its_planes_and_table_are_settled(ext, monkeypatch)
     a module's first call with a (new) table launches without overlap, the next ones with it."""
     from quantkit.kernels import overlap
 
-    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
+    monkeypatch.setattr(overlap.SWITCH, "on", True)  # whatever QUANTKIT_OVERLAP says
     layer = QuantLinear(_artifact(64, 256, 3, 8, seed=5), compute_dtype=torch.float16, bits=3).cuda()
     flags, real = [], ag.matvec
     monkeypatch.setattr(ag, "matvec", lambda *a, **kw: (flags.append(kw["overlapped"]), real(*a, **kw))[1])

@@ -191,7 +191,7 @@ def test_leading_dims_dtype_and_bias(fake_ops):
 def test_overlap_only_once_the_weights_are_settled(fake_ops, monkeypatch):
     """A matvec copies its weights before waiting for the kernel before it (kernels/overlap.py), so a
     module's first call with new or rewritten weight tensors launches without overlap, later ones with it."""
-    monkeypatch.setitem(overlap._state, "on", True)  # whatever QUANTKIT_OVERLAP says
+    monkeypatch.setattr(overlap.SWITCH, "on", True)  # whatever QUANTKIT_OVERLAP says
     module = QuantLinear(make_bcq(32, 64, 2, 32, offset=True))
     x = torch.randn(1, 64)
     for _ in range(3):

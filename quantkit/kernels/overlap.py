@@ -27,20 +27,17 @@ for the process, `disabled()` for a block of code (the A/B benchmarks: a CUDA gr
 set while it was captured).
 """
 
-import contextlib
 import functools
-import os
 import weakref
 
 import torch
 
+from quantkit.settings import ProcessSwitch
+
 ENV = "QUANTKIT_OVERLAP"
-_state = {"on": os.environ.get(ENV, "1") != "0"}
-
-
-def enabled():
-    """Whether kernels launched now ask for overlap (the CUDA extensions check the GPU themselves)."""
-    return _state["on"]
+SWITCH = ProcessSwitch(ENV)
+enabled = SWITCH.enabled  # whether kernels launched now ask for overlap (the CUDA extensions check the GPU themselves)
+disabled = SWITCH.disabled  # launch without overlap inside the block (e.g. while capturing a graph to compare against)
 
 
 # per module, (weak reference, version) of each weight its last call read; kept here rather than on the
@@ -96,14 +93,3 @@ def triton_launch(device):
     grid-dependency calls) and, when on, launch_pdl. Off (or with a Triton older than 3.4), nothing but
     GDC=False is passed, which Triton's interpreter accepts."""
     return {"GDC": True, "launch_pdl": True} if for_device(device) and _triton_has_gdc() else {"GDC": False}
-
-
-@contextlib.contextmanager
-def disabled():
-    """Launch without overlap inside the block (e.g. while capturing a CUDA graph to compare against)."""
-    previous = _state["on"]
-    _state["on"] = False
-    try:
-        yield
-    finally:
-        _state["on"] = previous

@@ -15,18 +15,19 @@ On by default for the fast decoder's fp16 projections on CUDA; QUANTKIT_DENSE_MA
 around a capture) leaves them to cuBLAS.
 """
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
 from quantkit.kernels import overlap
 from quantkit.runtime.triton_kernel import lazy_kernel
+from quantkit.settings import ProcessSwitch
 
 MAX_ROWS = 8  # rows of x this kernel serves (the decode's batches)
 ENV = "QUANTKIT_DENSE_MATVEC"
-_state = {"on": os.environ.get(ENV, "1") != "0"}
+SWITCH = ProcessSwitch(ENV)
+enabled = SWITCH.enabled  # whether the fast decoder's fp16 projections take this kernel (else cuBLAS)
+disabled = SWITCH.disabled  # cuBLAS for the fp16 projections inside the block
 _WORKSPACE_ATTR = "_quantkit_dense_sums"
 
 
@@ -106,22 +107,6 @@ def _kernel(triton, tl):
 def available():
     """Whether Triton is importable (the kernel compiles on first launch)."""
     return _kernel() is not None
-
-
-def enabled():
-    """Whether the fast decoder's fp16 projections take this kernel (else cuBLAS)."""
-    return _state["on"]
-
-
-@contextlib.contextmanager
-def disabled():
-    """cuBLAS for the fp16 projections inside the block (a CUDA graph keeps what was set at its capture)."""
-    previous = _state["on"]
-    _state["on"] = False
-    try:
-        yield
-    finally:
-        _state["on"] = previous
 
 
 def serves(weight, x):

@@ -1,4 +1,4 @@
-"""The dense fp16 matvec at decode shapes: cuBLAS (torch's F.linear) against quantkit's split-K kernel
+"""The dense fp16 matvec at decode shapes: cuBLAS (torch.mm) against quantkit's split-K kernel
 (quantkit/runtime/dense_matvec.py), in one process: µs per call, GB/s of weight bytes, fraction of the card's
 copy rate (a 2 GiB device copy, read + write, measured here), and a sweep of split plans.
 

@@ -625,7 +625,8 @@ def _assert_same_until_near_tie(fast, prompt, a, b, what):
 @pytest.mark.requires("cuda")
 @pytest.mark.parametrize("arch,fmt,bits", [("llama", "float", None), ("llama", "rtn", None), ("llama", "gptq", None),
                                            ("llama", "bcq", None), ("llama", "anyprec", 3), ("llama", "anyprec", 5),
-                                           ("qwen2", "bcq", None), ("qwen3", "rtn", None), ("mistral", "anyprec", 4)],
+                                           ("qwen2", "bcq", None), ("qwen3", "rtn", None), ("mistral", "anyprec", 4),
+                                           ("mistral", "float", None)],
                          ids=lambda v: str(v))
 def test_cuda_decoder_matches_the_reference_path(arch, fmt, bits, gpu_checkpoint):
     reference, fast = load_pair(gpu_checkpoint, arch, fmt, bits, device="cuda")
@@ -694,7 +695,7 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypa
     """The captured step launches the Triton kernels (attention, add + norm, SiLU·mul), the matvec operators,
     sums left for the next kernel where the LUT kernels (BCQ) or the split-K matvec (fp16) serve; on sm_90+ the
     launches overlap."""
-    from quantkit.kernels import overlap
+    from quantkit.kernels import lutgemm, overlap
     from quantkit.runtime import add_norm, decode_attention, dense_matvec, silu_mul
 
     # mistral: no biases, so every projection of the BCQ model may leave its sums (the llama here has q/k/v biases)
@@ -721,8 +722,14 @@ def test_cuda_captured_step_runs_the_kernels(fmt, sums, gpu_checkpoint, monkeypa
     names = [n for n, _ in calls]
     assert names.count("decode") >= layers and names.count("silu_mul") >= layers
     assert ("lut_accumulate" in names) == (fmt == "bcq") and ("anyprec_matvec" in names) == (fmt == "anyprec")
-    assert ("dense_accumulate" in names) == (fmt == "float" and dense_matvec.available())
-    sums = sums and (fmt != "float" or dense_matvec.available())
+    x = torch.zeros(1, fast.cfg.hidden_size, device="cuda", dtype=torch.float16)
+    dense_served = fmt == "float" and dense_matvec.serves(fast.layers[0].wo.weight, x)
+    assert ("dense_accumulate" in names) == dense_served
+    sums = sums and (fmt != "float" or dense_served)
+    for module in fast.modules():  # every consumer left the sums it finished zero
+        for attr in (dense_matvec._WORKSPACE_ATTR, lutgemm._WORKSPACE_ATTR):
+            ws = getattr(module, attr, None)
+            assert ws is None or not ws.any(), f"{type(module).__name__}.{attr} left non-zero"
     if sums:
         assert ("decode", True) in calls and ("silu_mul", True) in calls and ("add_rms_norm", True) in calls
     if overlap.for_device("cuda"):

@@ -1,4 +1,4 @@
-"""Split-K matvec of a dense fp16 / bf16 weight for 1..8 rows of x (Triton): fp32 sums added into a buffer.
+"""Split-K matvec of a dense fp16 weight for 1..8 rows of x (Triton): fp32 sums added into a buffer.
 
 At decode shapes one row of x against a [N, K] weight is a pure weight stream, and a library GEMV spreads
 it over the card only as far as its row tiles go: a 4096-row weight makes too few tiles to keep every SM
@@ -11,10 +11,11 @@ operator finishes and clears them. The atomics add in no fixed order, so the fp3
 last bits between runs (as the LUT kernels' do). With overlap (kernels/overlap.py) the kernel lets the next
 one be scheduled at its start and waits for the previous one before its first read.
 
-On by default for the fast decoder's fp16 projections on CUDA; QUANTKIT_DENSE_MATVEC=0 (or `disabled()`
-around a capture) leaves them to cuBLAS.
+On by default for the fast decoder's fp16 projections on Hopper and newer GPUs; QUANTKIT_DENSE_MATVEC=0 (or
+`disabled()` around a capture) leaves them to cuBLAS.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,12 +111,22 @@ def available():
 
 
 def serves(weight, x):
-    """Whether the kernel serves x [B, K] against `weight` (an nn.Linear's) here: enabled, Triton, CUDA,
-    both fp16 (the consumers round the sums to fp16, as the matvec's own output would be), B <= 8, and not
-    under torch.use_deterministic_algorithms(True) (its atomics add in no fixed order; cuBLAS then)."""
+    """Whether the kernel serves x [B, K] against `weight` (an nn.Linear's) here: enabled, Triton, a Hopper or
+    newer GPU (where it was measured against cuBLAS; older cards keep cuBLAS), both fp16 (the consumers round the
+    sums to fp16, as the matvec's own output would be), B <= 8, and not under
+    torch.use_deterministic_algorithms(True) (its atomics add in no fixed order; cuBLAS then)."""
     return (enabled() and x.is_cuda and x.dtype == torch.float16 and weight.dtype == torch.float16
             and 1 <= x.shape[0] <= MAX_ROWS and weight.stride(-1) == 1
-            and not torch.are_deterministic_algorithms_enabled() and available())
+            and not torch.are_deterministic_algorithms_enabled() and _measured_card(x.device) and available())
+
+
+@functools.cache
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def _measured_card(device):
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 def kept_workspace(module, device, out_features):
@@ -127,7 +138,8 @@ def kept_workspace(module, device, out_features):
         return ws
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    ws = torch.zeros(MAX_ROWS * out_features, dtype=torch.float32, device=device)
+    with torch.inference_mode(False):  # a normal tensor: a consumer's PyTorch fallback clears it in place anywhere
+        ws = torch.zeros(MAX_ROWS * out_features, dtype=torch.float32, device=device)
     setattr(module, _WORKSPACE_ATTR, ws)
     return ws
 
@@ -145,14 +157,14 @@ def _sm_count(device):
 
 
 def accumulate(x, weight, acc, split_plan=None):
-    """acc[:B * N] (fp32, viewed [B, N]) += x @ weight.T for x [B, K] (B <= 8) and weight [N, K], both fp16
-    or both bf16, contiguous rows."""
+    """acc[:B * N] (fp32, viewed [B, N]) += x @ weight.T for x [B, K] (B <= 8) and weight [N, K], both fp16,
+    contiguous rows. (bf16 would compile, but is neither served nor tested.)"""
     kernel = _kernel()
     b, k = x.shape
     n = weight.shape[0]
     if kernel is None:
         raise RuntimeError("the dense matvec needs Triton")
-    if not 1 <= b <= MAX_ROWS or weight.shape[1] != k or x.dtype != weight.dtype:
+    if not 1 <= b <= MAX_ROWS or weight.shape[1] != k or x.dtype != torch.float16 or weight.dtype != torch.float16:
         raise ValueError(f"dense matvec: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or acc.dtype != torch.float32 or acc.numel() < b * n:
         raise ValueError("dense matvec: rows must be contiguous and acc an fp32 buffer of at least B * N")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.kernels import overlap
+from quantkit.runtime import dense_matvec
 from quantkit.runtime.model import Decoder
 
 CHECK_EVERY = 16  # decode steps between looks at the tokens (one host synchronisation each)
@@ -147,8 +149,10 @@ class FastGenerator:
         if self._caches is not self.model.caches:  # new cache tensors: graphs captured on the old ones are stale
             self.graphs.clear()
             self._caches = self.model.caches
+        # the kernels a capture records depend on the process switches and deterministic mode as they are now
         key = (batch, max_len, max_new_tokens, self.model.weights_version, sampling.greedy, sampling.temperature,
-               sampling.top_k, sampling.top_p)
+               sampling.top_k, sampling.top_p, overlap.enabled(), dense_matvec.enabled(),
+               torch.are_deterministic_algorithms_enabled())
         if key not in self.graphs:
             state = self._state(batch, max_new_tokens)
             graph = None

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e_decode import copy_rate  # noqa: E402
 from bench_lutgemm import time_calls, weight_copies  # noqa: E402
 
 from quantkit.runtime import dense_matvec  # noqa: E402
@@ -30,37 +31,16 @@ QUICK_SHAPES = [(4096, 4096), (4096, 11008)]
 MAX_REL_ERR = 2e-3
 
 
-def copy_rate():
-    src = torch.ones(2**30, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    rate = 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3) / 1e9
-    del src, dst
-    torch.cuda.empty_cache()
-    return rate
-
-
 def candidate_plans(n, k, batch, sms, quick):
-    """The default plan first, then variants of program count, tile and pipeline depth."""
+    """The default plan first, then variants of program count and tile."""
     plans = [dense_matvec.plan(n, k, batch, sms)]
     if quick:
         return plans
     for per_sm in (2, 4, 8, 16):
         for block_n, block_k in ((32, 256), (64, 128), (16, 512), (64, 256)):
-            for stages in (4,):
-                if batch > 1 and block_n < 16:
-                    continue
-                p = dense_matvec.plan(n, k, batch, sms, target_programs=per_sm * sms, block_n=block_n,
-                                      block_k=block_k, stages=stages)
-                if p not in plans:
-                    plans.append(p)
+            p = dense_matvec.plan(n, k, batch, sms, target_programs=per_sm * sms, block_n=block_n, block_k=block_k)
+            if p not in plans:
+                plans.append(p)
     return plans
 
 

@@ -172,29 +172,32 @@ def step_bytes(model, batch, mean_positions):
     return projection_bytes(model, batch) + norms + head + embed_rows + kv
 
 
+def _timed(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
+def copy_rate():
+    """GB/s of a 2 GiB device copy, counting read + write."""
+    src = torch.ones(2**30, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / _timed(lambda: dst.copy_(src)) / 1e9
+
+
 def streaming_rates():
     """(copy GB/s counting read + write, fp16 matvec GB/s of weight bytes) on this card."""
-
-    def timed(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / reps
-
-    def copy_rate():
-        src = torch.ones(2**30, dtype=torch.float16, device="cuda")  # 2 GiB
-        dst = torch.empty_like(src)
-        return 2 * src.numel() * 2 / timed(lambda: dst.copy_(src)) / 1e9
 
     def matvec_rate():
         weight = torch.randn(32768, 16384, device="cuda", dtype=torch.float16)  # 1 GiB
         x = torch.randn(1, 16384, device="cuda", dtype=torch.float16)
-        return weight.numel() * 2 / timed(lambda: torch.nn.functional.linear(x, weight)) / 1e9
+        return weight.numel() * 2 / _timed(lambda: torch.nn.functional.linear(x, weight)) / 1e9
 
     rates = copy_rate(), matvec_rate()
     torch.cuda.empty_cache()

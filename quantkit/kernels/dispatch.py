@@ -10,6 +10,8 @@ lazily so CPU-only use never touches them.
 
 import importlib
 
+import torch
+
 _FORWARDS = {}
 _ACCUMULATES = {}
 _KERNEL_MODULES = ("quantkit.kernels.lutgemm", "quantkit.kernels.anyprec_gemm")
@@ -52,3 +54,20 @@ def kernel_accumulate(module, x):
     """The kernel's fp32 partial sums of `module`'s product with x (see QuantLinear.accumulate), or None."""
     accumulate = _served(_ACCUMULATES, module, x)
     return None if accumulate is None else accumulate(module, x)
+
+
+def kept_zero_buffer(module, attr, device, numel):
+    """The fp32 buffer `module.<attr>` on `device`, made zero on first use, for kernels that leave partial sums
+    in it and consumers that finish them and leave it zero again (so calls need no memset: a CUDA-graph decode
+    step has one node less per linear). Not made while a CUDA graph is being captured (its zeroing would only be
+    recorded, not run): None then. Made outside inference mode, so a consumer's PyTorch fallback may clear it
+    in place anywhere. One module's launches must not run on two streams at once."""
+    buf = getattr(module, attr, None)
+    if buf is not None and buf.device == device:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    with torch.inference_mode(False):
+        buf = torch.zeros(numel, dtype=torch.float32, device=device)
+    setattr(module, attr, buf)
+    return buf

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from quantkit.formats.bcq import bcq_from_uniform
 from quantkit.formats.uniform import num_groups
 from quantkit.kernels import build, overlap
-from quantkit.kernels.dispatch import register
+from quantkit.kernels.dispatch import kept_zero_buffer, register
 
 # Largest token count served by the LUT kernel, chosen by benchmarks/bench_lutgemm.py "crossover" (H100):
 # against a cached fp16 weight the LUT kernel loses from 12 tokens on 4096x4096, 11008x4096 and
@@ -134,18 +134,9 @@ def lut_matmul(x, t: BCQTensors, bias=None, ops=None, mma_min_batch=None, worksp
 
 
 def kept_workspace(module, device, out_features, ops):
-    """The module's LUT workspace on `device` for up to MATVEC_MAX_TOKENS columns, made on first use.
-    The kernels leave it zero, so calls need no memset (a CUDA-graph decode step has one node less per
-    linear). Not made while a CUDA graph is being captured (its zeroing would only be recorded, not run):
-    None then, and that launch zeroes its own. One module's launches must not run on two streams at once."""
-    ws = getattr(module, _WORKSPACE_ATTR, None)
-    if ws is not None and ws.device == device:
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    ws = torch.zeros(ops.workspace_floats(MATVEC_MAX_TOKENS, out_features), dtype=torch.float32, device=device)
-    setattr(module, _WORKSPACE_ATTR, ws)
-    return ws
+    """The module's LUT workspace on `device` for up to MATVEC_MAX_TOKENS columns (dispatch.kept_zero_buffer;
+    None inside a capture, and that launch zeroes its own)."""
+    return kept_zero_buffer(module, _WORKSPACE_ATTR, device, ops.workspace_floats(MATVEC_MAX_TOKENS, out_features))
 
 
 def power_of_two_planes(alpha):

@@ -69,12 +69,15 @@ def _capable(index):
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def hopper_or_newer(device):
+    """Whether `device` is a CUDA GPU of compute capability 9.0 or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def for_device(device):
     """Whether a kernel launched now on `device` gets overlap: enabled, CUDA, compute capability 9.0+."""
-    device = torch.device(device)
-    if not enabled() or device.type != "cuda":
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return enabled() and hopper_or_newer(device)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.kernels import overlap
+from quantkit.kernels.dispatch import kept_zero_buffer
 from quantkit.runtime.triton_kernel import lazy_kernel
 from quantkit.settings import ProcessSwitch
 
@@ -117,43 +118,25 @@ def serves(weight, x):
     torch.use_deterministic_algorithms(True) (its atomics add in no fixed order; cuBLAS then)."""
     return (enabled() and x.is_cuda and x.dtype == torch.float16 and weight.dtype == torch.float16
             and 1 <= x.shape[0] <= MAX_ROWS and weight.stride(-1) == 1
-            and not torch.are_deterministic_algorithms_enabled() and _measured_card(x.device) and available())
-
-
-@functools.cache
-def _capability(index):
-    return torch.cuda.get_device_capability(index)
-
-
-def _measured_card(device):
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+            and not torch.are_deterministic_algorithms_enabled() and overlap.hopper_or_newer(x.device)
+            and available())
 
 
 def kept_workspace(module, device, out_features):
-    """The module's fp32 sums buffer on `device` for up to MAX_ROWS rows, made (zeroed) on first use and left
-    zero by every consumer. Not made while a CUDA graph is being captured (its zeroing would only be recorded):
-    None then, and the caller takes cuBLAS for that call."""
-    ws = getattr(module, _WORKSPACE_ATTR, None)
-    if ws is not None and ws.device == device:
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    with torch.inference_mode(False):  # a normal tensor: a consumer's PyTorch fallback clears it in place anywhere
-        ws = torch.zeros(MAX_ROWS * out_features, dtype=torch.float32, device=device)
-    setattr(module, _WORKSPACE_ATTR, ws)
-    return ws
+    """The module's fp32 sums for up to MAX_ROWS rows (dispatch.kept_zero_buffer; None inside a capture, and
+    the caller takes cuBLAS for that call)."""
+    return kept_zero_buffer(module, _WORKSPACE_ATTR, device, MAX_ROWS * out_features)
 
 
-_SMS = {}
+@functools.cache
+def _sm_count(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device):
+def _sms(device):
     if device.type != "cuda":
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+        return 132  # the interpreter: plans as for an H100
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def accumulate(x, weight, acc, split_plan=None):
@@ -168,7 +151,7 @@ def accumulate(x, weight, acc, split_plan=None):
         raise ValueError(f"dense matvec: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or acc.dtype != torch.float32 or acc.numel() < b * n:
         raise ValueError("dense matvec: rows must be contiguous and acc an fp32 buffer of at least B * N")
-    p = split_plan or plan(n, k, b, _sm_count(x.device))
+    p = split_plan or plan(n, k, b, _sms(x.device))
     even_k = p.split * p.chunks * p.block_k == k  # every program's chunks lie inside the row
     grid = (-(-n // p.block_n), p.split)
     kernel[grid](x, weight, acc, b, n, k, x.stride(0), weight.stride(0), p.chunks,
